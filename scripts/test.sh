@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The test command: installs dependencies, configures, builds and runs the
+# whole suite with ctest (unit + integration + fuzz replays), then builds the
+# libFuzzer targets with clang and runs each for a short time. Exits non-zero
+# on any failure.
+#
+#   scripts/test.sh                    dev preset (-Werror) + short libFuzzer runs
+#   scripts/test.sh --preset asan      ASan+UBSan build of everything, all tests
+#   scripts/test.sh --preset tsan      TSan build, all tests
+#   scripts/test.sh -L stress          only tests with a label (ctest -L regex)
+#   scripts/test.sh --no-fuzz          skip the libFuzzer stage
+#   scripts/test.sh --no-deps          do not run install-deps.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+preset=dev
+label=""
+fuzz=1
+deps=1
+while (($#)); do
+  case "$1" in
+    --preset) preset="$2"; shift 2 ;;
+    -L|--label) label="$2"; shift 2 ;;
+    --no-fuzz) fuzz=0; shift ;;
+    --no-deps) deps=0; shift ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "test.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$preset" in dev|release|asan|tsan) ;; *)
+  echo "test.sh: --preset must be dev, release, asan or tsan (got '$preset')" >&2; exit 2 ;;
+esac
+
+((deps)) && scripts/install-deps.sh
+jobs=$(nproc)
+
+echo "== configure + build: $preset"
+cmake --preset "$preset" -DEMBER_WERROR=ON >/dev/null
+cmake --build "build/$preset" -j "$jobs"
+
+echo "== ctest: $preset ${label:+(label $label)}"
+ctest_args=(--test-dir "build/$preset" --output-on-failure -j "$jobs" --timeout 600)
+[[ -n $label ]] && ctest_args+=(-L "$label")
+if [[ $preset == tsan ]]; then export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"; fi
+if [[ $preset == asan ]]; then export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"; fi
+ctest "${ctest_args[@]}"
+
+if ((fuzz)) && [[ $preset == dev && -z $label ]]; then
+  echo "== libFuzzer targets (clang, fuzz preset)"
+  cmake --preset fuzz -DEMBER_WERROR=ON -DEMBER_FUZZ_SECONDS="${EMBER_FUZZ_SECONDS:-15}" >/dev/null
+  cmake --build build/fuzz -j "$jobs"
+  ctest --test-dir build/fuzz --output-on-failure -L fuzz
+fi
+echo "== test.sh: all passed ($preset)"
