@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# scripts/bench.sh NAME [args...]: builds the release preset if needed and
+# runs benchmark NAME (ring, pool, wire, transport, pushpull, train, gpu).
+# A benchmark with a driver script (bench/NAME/run.sh) runs through it;
+# otherwise the binary build/release/bench/NAME/ember-bench-NAME runs.
+# The last line of output is `SUMMARY key=value ...`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if (($# < 1)); then
+  echo "usage: scripts/bench.sh NAME [args...]; NAME is one of: $(ls bench | grep -v CMakeLists | tr '\n' ' ')" >&2
+  exit 2
+fi
+name="$1"; shift
+if [[ ! -d bench/$name ]]; then
+  echo "bench.sh: no benchmark '$name'; have: $(ls bench | grep -v CMakeLists | tr '\n' ' ')" >&2
+  exit 2
+fi
+[[ ${EMBER_SKIP_DEPS:-0} == 1 ]] || scripts/install-deps.sh >/dev/null
+cmake --preset release >/dev/null
+if [[ -x bench/$name/run.sh ]]; then
+  cmake --build build/release -j "$(nproc)"
+  exec bench/"$name"/run.sh "$@"
+fi
+cmake --build build/release -j "$(nproc)" --target "ember-bench-$name"
+exec "build/release/bench/$name/ember-bench-$name" "$@"
