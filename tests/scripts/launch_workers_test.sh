@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Tests scripts/launch_workers.sh: pinning, {rank} substitution, first failure's
+# exit code, and refusal of a core that does not exist.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+lw="$root/scripts/launch_workers.sh"
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$lw" --workers 2 --cores "0:0" --log-dir "$tmp/a" -- \
+  sh -c 'echo "rank={rank} env=$EMBER_WORKER_RANK of $EMBER_NUM_WORKERS"; taskset -pc $$' \
+  || fail "two good workers returned non-zero"
+grep -q "rank=0 env=0 of 2" "$tmp/a/worker-0.log" || fail "worker 0 log: $(cat "$tmp/a/worker-0.log")"
+grep -q "rank=1 env=1 of 2" "$tmp/a/worker-1.log" || fail "worker 1 log"
+grep -q "affinity list: 0$" "$tmp/a/worker-1.log" || fail "worker 1 not pinned to core 0: $(cat "$tmp/a/worker-1.log")"
+
+set +e
+"$lw" --workers 2 --log-dir "$tmp/b" -- sh -c 'if [ {rank} = 1 ]; then exit 7; fi; sleep 30'
+rc=$?
+set -e
+[[ $rc == 7 ]] || fail "expected exit code 7 of the failing worker, got $rc"
+
+set +e
+out=$("$lw" --workers 1 --cores "9999" --log-dir "$tmp/c" -- true 2>&1)
+rc=$?
+set -e
+[[ $rc == 2 ]] || fail "nonexistent core accepted (rc=$rc)"
+[[ $out == *"core '9999' for worker 0 does not exist"* ]] || fail "message: $out"
+echo "launch_workers_test: ok"
