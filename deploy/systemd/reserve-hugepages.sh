@@ -1,0 +1,13 @@
+#!/bin/sh
+# ExecStartPre helper (runs as root, '+' prefix): makes sure at least N 2 MiB
+# hugepages are reserved before ember-server starts, so its page pool can use
+# MFD_HUGETLB. If the kernel cannot reserve them (fragmented memory), the
+# server falls back to transparent hugepages and says so in its log; this
+# script never fails the start for that reason.
+set -eu
+want=${1:-256}
+have=$(cat /proc/sys/vm/nr_hugepages)
+if [ "$have" -lt "$want" ]; then
+  echo "$want" > /proc/sys/vm/nr_hugepages || true
+fi
+echo "reserve-hugepages: wanted $want, now $(cat /proc/sys/vm/nr_hugepages)"
