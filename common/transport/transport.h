@@ -1,0 +1,337 @@
+// The transport interface: how Ember moves opaque messages between a worker
+// and a server, independent of the wire underneath (tcp, shm, later rdma).
+//
+// Model (after gloo/transport and NCCL's net plugin contract):
+//  * A Transport is one per process and kind; it owns the I/O threads (one
+//    io_context each) and the memory registrations. It makes Listeners (server
+//    side) and Connections (worker side, via connect()).
+//  * A Connection links this process with one peer. It has `num_channels`
+//    independent lanes (channels, numbered 0..num_channels-1): each has its own
+//    batcher, its own send-buffer region and its own stream (a TCP connection,
+//    a pair of shared-memory rings, a queue pair). Order is preserved per
+//    channel and only per channel. The caller picks the channel (with
+//    common/placement::channel_of for keyed traffic); the transport knows
+//    nothing of keys.
+//  * A message is one framer item of opaque bytes (0..max_message_bytes).
+//    Small messages (those that fit in one batch of batch_threshold bytes with
+//    their item header) are packed into batches by the common/wire framer;
+//    larger ones travel alone, straight from the caller's Buffer.
+//
+// Invariants every implementation keeps:
+//  * Per channel, messages are delivered in the order send() accepted them,
+//    small and large interleaved.
+//  * A Connection never holds more than Options::max_queued_bytes of accepted
+//    but unsent message bytes: send() then waits (up to its timeout) or fails.
+//  * on_closed runs exactly once per Connection that was handed to the user
+//    (by connect() or by a Listener's on_accept), after which no other
+//    callback runs for it.
+//  * Every Buffer handed to send() is released exactly once: after its bytes
+//    are on the wire (or no longer needed by the peer), or when the
+//    Connection fails.
+//
+// RDMA fits the same contract: register_memory() is where ibv_reg_mr happens
+// once per pool region; send(channel, Buffer, completion) is completion-driven
+// (the Buffer is owned until the work completion); max_queued_bytes and the
+// peer's posted receive buffers give credit-based flow control; the receive
+// allocator names the pool blocks that RDMA WRITEs land in.
+//
+// Thread model: callbacks run on the I/O thread that serves the channel the
+// message arrived on. Different channels of one Connection may be served by
+// different I/O threads, so on_message may run concurrently for different
+// channels of the same Connection (never concurrently for one channel).
+// Callbacks must not block for long: while one runs, its channel (and the
+// other channels on that I/O thread) receive nothing, which is also how a
+// slow receiver pushes back on its senders.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/base/error.h"
+#include "common/transport/buffer.h"
+
+namespace ember::transport {
+
+// Protocol version spoken in the handshake. Bump on any change to the
+// handshake, the control records or the frame layout (and with
+// common/placement's hash, which every peer must share).
+inline constexpr std::uint16_t kProtocolVersion = 1;
+
+enum class Kind : std::uint8_t {
+  kTcp = 1,  // Boost.Asio over TCP (any host)
+  kShm = 2,  // same host: shared memfd regions, shared-memory rings, eventfd
+  kRdma = 3, // rdma-core verbs over RC queue pairs (issue 8; not built yet)
+};
+std::string_view kind_name(Kind kind) noexcept;  // "tcp", "shm", "rdma"
+
+// How tcp sends a large message from pool memory.
+enum class ZeroCopy : std::uint8_t {
+  kWritev = 1,    // one gathered write of header + payload (default: measured faster on loopback)
+  kSendfile = 2,  // header with write(), payload with sendfile() from the memfd
+};
+std::string_view zero_copy_name(ZeroCopy mode) noexcept;  // "writev", "sendfile"
+
+enum class Role : std::uint8_t { kWorker = 1, kServer = 2 };
+std::string_view role_name(Role role) noexcept;  // "worker", "server"
+
+// Who is at the other end, as stated in its handshake.
+struct PeerInfo {
+  Role role = Role::kWorker;
+  std::uint32_t rank = 0;          // worker rank (0 for a server; servers have an index instead)
+  std::uint32_t num_channels = 0;  // agreed count, equal on both sides
+  std::string address;             // "127.0.0.1:43121", or the Unix socket path for shm
+};
+
+// Receive-side memory for large messages: called on the I/O thread with the
+// payload size in bytes; returns a Buffer of at least that many bytes (the
+// transport truncate()s it to the exact size). Typically a page-pool block
+// (transport/pool_buffer.h adapts memory::PagePool). An error closes the
+// channel's Connection with that error (e.g. kPoolExhausted). When unset, the
+// transport uses Buffer::heap. Must be thread-safe if the Transport has more
+// than one I/O thread. Not used by shm (a received shm payload is a view of
+// the sender's block; see Incoming).
+using ReceiveAllocator = std::function<Result<Buffer>(std::uint64_t size_bytes)>;
+
+// Everything a Transport needs, usually built from the [communication]
+// table of the config (transport/options_from_config.h). Units are in the
+// names or the types.
+struct Options {
+  Kind kind = Kind::kTcp;
+  // Largest batch frame, header and item table included. Messages that do
+  // not fit in an empty batch are sent as large messages.
+  std::uint64_t batch_threshold_bytes = 4096;
+  // A non-empty open batch is sent at most this long after its first message
+  // was added, or as soon as it is full, whichever is first. Zero: a batch is
+  // sent as soon as the I/O thread gets to it (several may share a write).
+  std::chrono::nanoseconds flush_interval = std::chrono::microseconds(20);
+  // false: every small message is its own frame and its own write system call
+  // (the "batching off" baseline of the benchmark; never useful in production).
+  bool batching = true;
+  // Lanes per Connection. The listener accepts only peers that ask for the
+  // same count.
+  std::uint32_t num_channels = 1;
+  ZeroCopy zero_copy = ZeroCopy::kWritev;
+  // Number of I/O threads (each with its own io_context); channels are
+  // spread over them round-robin. >= 1.
+  std::uint32_t num_io_threads = 1;
+  // CPU per I/O thread (index i pins thread i); empty: not pinned. Pinning
+  // failure is logged, not fatal.
+  std::vector<int> cpu_affinity;
+  // A heartbeat is sent on a channel that has sent nothing for this long; a
+  // peer from which nothing (data or heartbeat) arrives for heartbeat_timeout
+  // is declared dead: the Connection closes with ErrorCode::kTimeout.
+  std::chrono::nanoseconds heartbeat_interval = std::chrono::seconds(1);
+  std::chrono::nanoseconds heartbeat_timeout = std::chrono::seconds(10);
+  // Largest message (payload bytes) accepted by send() and from a peer.
+  std::uint64_t max_message_bytes = std::uint64_t{1} << 30;
+  // Bound on message bytes accepted by send() but not yet written (or, for
+  // shm and rdma, not yet released by the peer), per Connection, all
+  // channels together. A single message larger than this is still accepted
+  // when nothing else is queued, so the bound is max(max_queued_bytes,
+  // largest message).
+  std::uint64_t max_queued_bytes = std::uint64_t{256} << 20;
+  // shm: bytes of each channel's shared-memory data ring per direction
+  // (power of two, >= 4 * batch_threshold_bytes).
+  std::uint64_t ring_buffer_bytes = std::uint64_t{1} << 20;
+  // Shared secret. A Listener on a non-loopback address refuses to start
+  // when it is empty; when set, every peer must present the same token.
+  std::string auth_token;
+  // How long connect() waits for the TCP/Unix connection and the handshake.
+  std::chrono::nanoseconds connect_timeout = std::chrono::seconds(10);
+  ReceiveAllocator receive_allocator;
+
+  // Checks ranges and combinations; the Error names the field and the fix.
+  Status validate() const;
+};
+
+// A message handed to on_message.
+struct Incoming {
+  std::uint32_t channel = 0;
+  // The payload. For a small message it points into the transport's receive
+  // buffer and is valid only during the callback (copy it to keep it). For a
+  // large message it equals owned.bytes().
+  std::span<const std::byte> bytes;
+  // Non-empty for a large message: the owning handle (a receive-allocator
+  // block for tcp, a view of the sender's block for shm, which tells the
+  // sender to reuse the block when destroyed). Move it out to keep the
+  // payload beyond the callback without copying.
+  Buffer owned;
+  bool is_large() const noexcept { return !owned.empty(); }
+};
+
+// Called once per large send, on the I/O thread, after the transport is done
+// with the Buffer (it has already been released): ok when the bytes were
+// handed to the kernel / to the peer; the Connection's error otherwise.
+using SendCompletion = std::function<void(const Status& status)>;
+
+// Counters, monotonic since the Connection was made. Read with stats() from
+// any thread (relaxed reads: a consistent snapshot is not promised).
+struct ConnectionStats {
+  std::uint64_t messages_sent = 0;
+  std::uint64_t messages_received = 0;
+  std::uint64_t bytes_sent = 0;        // payload bytes of messages
+  std::uint64_t bytes_received = 0;    // payload bytes of messages
+  std::uint64_t frames_sent = 0;       // batches + large frames
+  std::uint64_t frames_received = 0;
+  std::uint64_t write_syscalls = 0;    // write/writev/sendmsg/sendfile/eventfd writes
+  std::uint64_t read_syscalls = 0;     // read/readv/recvmsg/eventfd reads
+  std::uint64_t heartbeats_sent = 0;
+  std::uint64_t heartbeats_received = 0;
+  std::uint64_t queued_bytes = 0;      // current value of the flow-control counter
+  std::uint64_t queued_bytes_high_water = 0;
+};
+
+class Connection;
+
+// Per-Connection callbacks. Both are required; both run on I/O threads and
+// must not throw.
+struct Handlers {
+  // One call per received message, in order per channel.
+  std::function<void(Connection& connection, Incoming&& message)> on_message;
+  // Exactly once: the Connection is closed. `reason` is kClosed for an orderly
+  // close (either side called close()), kTimeout for a silent peer, kIo for a
+  // reset, kMalformedFrame / kChecksumMismatch / kProtocol for a peer that sent
+  // garbage, or the receive allocator's error. Buffers handed to send() that
+  // were not yet written have been released (their completions ran with
+  // `reason`) before this call.
+  std::function<void(Connection& connection, const Error& reason)> on_closed;
+};
+
+// One peer, `num_channels` lanes. Made by Transport::connect() or handed to a
+// Listener's on_accept. Shared ownership: the transport keeps a reference
+// while I/O is in flight, so a Connection may be dropped by the user at any
+// time (dropping the last user reference does not close it; call close()).
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  virtual ~Connection() = default;
+
+  virtual const PeerInfo& peer() const noexcept = 0;
+  std::uint32_t num_channels() const noexcept { return peer().num_channels; }
+
+  // Sends a small or large message by copy: the bytes are copied once into
+  // the channel's open batch (for tcp: the batch buffer; for shm: the shared
+  // data ring — this is the one copy of the small-message path) and sent when
+  // the batch is full, after flush_interval, or at flush(). A message too big
+  // for a batch is copied into a Buffer from the receive allocator's
+  // counterpart (heap) and sent as a large message: prefer the Buffer overload
+  // for those. `bytes` may be reused as soon as send() returns.
+  //
+  // Thread-safe: any thread may call it, for any channel (a per-channel lock
+  // orders concurrent callers). Blocks only when the queue is full: then waits
+  // up to `wait` for the peer to drain it (never on an I/O thread of this
+  // Transport, where it fails at once instead).
+  // Errors: kInvalidArgument (channel >= num_channels), kTooLarge (over
+  // max_message_bytes), kTimeout (queue still full after `wait`; nothing was
+  // queued), kClosed (the Connection is closed; the message was dropped).
+  virtual Status send(std::uint32_t channel, std::span<const std::byte> bytes,
+                      std::chrono::nanoseconds wait = std::chrono::seconds(30)) = 0;
+
+  // Sends `payload` as one message. Small payloads are copied into the batch
+  // (as above) and released before send() returns. Large payloads are sent
+  // from their memory without a copy (tcp: writev of header + payload, or
+  // sendfile from location().fd when zero_copy is kSendfile and the Buffer
+  // has an fd; shm: by reference when the Buffer lies in a registered region,
+  // otherwise an error; rdma: from the registered region). The transport owns
+  // the payload from a successful call until it is released, then runs
+  // `done` (if set) on the I/O thread. On an error return the payload was
+  // released and `done` is not called.
+  // Thread-safety, blocking and errors as for the span overload, plus
+  // kInvalidArgument for an shm large payload outside every registered region.
+  virtual Status send(std::uint32_t channel, Buffer&& payload, SendCompletion done = {},
+                      std::chrono::nanoseconds wait = std::chrono::seconds(30)) = 0;
+
+  // Closes the open batch of `channel` (or of every channel) and starts
+  // sending it now. Never blocks; thread-safe. Errors: kInvalidArgument,
+  // kClosed.
+  virtual Status flush(std::uint32_t channel) = 0;
+  virtual Status flush_all() = 0;
+
+  // Orderly close: sends what is queued (bounded by `drain`), tells the peer,
+  // closes every channel, then on_closed runs with kClosed on both sides.
+  // Thread-safe, idempotent, never blocks (the drain is asynchronous).
+  virtual void close(std::chrono::nanoseconds drain = std::chrono::seconds(1)) = 0;
+
+  virtual bool is_closed() const noexcept = 0;
+  virtual ConnectionStats stats() const noexcept = 0;
+};
+
+// The server side: accepts connections and handshakes them. A Connection is
+// handed to on_accept only after every one of its channels has connected and
+// passed the handshake; a refused peer (wrong token, wrong version, channel
+// count mismatch, garbage) is told why, logged once, and never reaches the
+// user. Destroying the Listener stops accepting; Connections it made live on.
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  // The bound address: "127.0.0.1:43121" (port 0 in listen() resolved) or
+  // the Unix socket path for shm.
+  virtual std::string address() const = 0;
+  // Number of peers refused so far (bad handshake), for tests and metrics.
+  virtual std::uint64_t num_refused() const noexcept = 0;
+};
+
+using AcceptHandler = std::function<void(std::shared_ptr<Connection> connection)>;
+
+// What this side says about itself in the handshake.
+struct LocalIdentity {
+  Role role = Role::kWorker;
+  std::uint32_t rank = 0;
+};
+
+class Transport {
+ public:
+  // Validates `options` and starts the I/O threads. Errors: whatever
+  // Options::validate() returns; kUnavailable for rdma without a device
+  // (and, until issue 8, for rdma at all); kIo when a thread or fd cannot be
+  // created.
+  static Result<std::unique_ptr<Transport>> create(Options options);
+
+  // Stops the I/O threads after closing every Connection (on_closed runs with
+  // kCancelled for those still open). Must not be called from an I/O thread.
+  virtual ~Transport() = default;
+
+  virtual Kind kind() const noexcept = 0;
+  virtual const Options& options() const noexcept = 0;
+
+  // Makes `region` (typically a page pool's whole memfd mapping) known to the
+  // transport before any Connection exists, so that Buffers inside it can be
+  // sent by reference: shm passes its fd to each peer at handshake, rdma
+  // registers it once. tcp records it and needs nothing more. Returns the
+  // region id to put in MemoryLocation::region_id (adapters do this).
+  // Thread-safety: call before listen()/connect(), from one thread. Errors:
+  // kInvalidArgument (null base, zero length, fd < 0 for shm), kIo.
+  struct Region {
+    void* base = nullptr;
+    std::uint64_t length_bytes = 0;
+    int fd = -1;  // the memfd mapped at base (offset 0); not owned, kept open by the caller
+  };
+  virtual Result<std::uint32_t> register_memory(const Region& region) = 0;
+
+  // Starts listening on `address` ("host:port" for tcp, port 0 for any free
+  // port; a filesystem path or "@abstract-name" for shm). Every accepted
+  // Connection is handed to on_accept (on an I/O thread) and then driven by
+  // `handlers`. Errors: kConfig (non-loopback address with an empty
+  // auth_token), kInvalidArgument (unparsable address), kIo (bind/listen).
+  virtual Result<std::unique_ptr<Listener>> listen(const std::string& address, LocalIdentity self,
+                                                   AcceptHandler on_accept, Handlers handlers) = 0;
+
+  // Connects to a Listener and handshakes every channel. Blocks the calling
+  // thread (not an I/O thread) for at most options().connect_timeout.
+  // Errors: kInvalidArgument (address), kIo (refused/unreachable), kTimeout,
+  // kAuth ("the server refused our auth token"), kVersionMismatch (naming
+  // both versions), kProtocol (the peer is not an Ember server, or the
+  // channel counts differ).
+  virtual Result<std::shared_ptr<Connection>> connect(const std::string& address,
+                                                      LocalIdentity self, Handlers handlers) = 0;
+
+  // True when the calling thread is one of this Transport's I/O threads.
+  virtual bool on_io_thread() const noexcept = 0;
+};
+
+}  // namespace ember::transport
