@@ -64,12 +64,11 @@ Status Options::validate() const {
                       max_queued_bytes, batch_threshold_bytes);
   }
   if (kind == Kind::kShm) {
-    if (ring_buffer_bytes == 0 || (ring_buffer_bytes & (ring_buffer_bytes - 1)) != 0 ||
-        ring_buffer_bytes < 4 * batch_threshold_bytes) {
+    if (ring_slots < 2 || ring_slots > (1u << 24) || (ring_slots & (ring_slots - 1)) != 0) {
       return make_error(ErrorCode::kConfig,
-                        "ring_buffer_size = {} bytes must be a power of two and at least 4 x "
-                        "batch_threshold ({} bytes) for the shm transport",
-                        ring_buffer_bytes, 4 * batch_threshold_bytes);
+                        "ring_buffer_size = {} slots must be a power of two in 2 .. 2^24 for the "
+                        "shm transport",
+                        ring_slots);
     }
   }
   if (connect_timeout.count() <= 0) {

@@ -136,9 +136,11 @@ struct Options {
   // when nothing else is queued, so the bound is max(max_queued_bytes,
   // largest message).
   std::uint64_t max_queued_bytes = std::uint64_t{256} << 20;
-  // shm: bytes of each channel's shared-memory data ring per direction
-  // (power of two, >= 4 * batch_threshold_bytes).
-  std::uint64_t ring_buffer_bytes = std::uint64_t{1} << 20;
+  // shm: slots in each channel's shared-memory ring, per direction (config
+  // key ring_buffer_size). A slot holds one batch (batch_threshold_bytes) or
+  // one large-message descriptor, so a ring costs ring_slots *
+  // batch_threshold_bytes of shared memory. Power of two, 2 .. 2^24.
+  std::uint32_t ring_slots = 1024;
   // Shared secret. A Listener on a non-loopback address refuses to start
   // when it is empty; when set, every peer must present the same token.
   std::string auth_token;
