@@ -35,6 +35,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -166,14 +168,16 @@ class Registry {
   std::size_t num_families() const;
 
  private:
+  enum class Type : std::uint8_t { kCounter, kGauge, kHistogram };
   struct Family;
   struct Series;
-  Family& family_locked(std::string_view name, std::string_view help, int type,
-                        const Labels& sorted_labels, std::span<const double> bounds);
-  Series& series_locked(Family& family, Labels sorted_labels, std::span<const double> bounds);
+  // Finds or creates the series; checks name, help, type, label names and
+  // bounds against the family. Locks mutex_.
+  Series& series(std::string_view name, std::string_view help, Type type, const Labels& labels,
+                 std::span<const double> bounds);
 
   mutable std::mutex mutex_;
-  std::vector<std::unique_ptr<Family>> families_;  // guarded by mutex_
+  std::map<std::string, std::unique_ptr<Family>, std::less<>> families_;  // guarded by mutex_
 };
 
 // The process-wide registry, for library layers that are not handed one
