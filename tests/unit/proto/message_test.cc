@@ -1,0 +1,367 @@
+// Unit tests of the parameter-server protocol: round trips of every message
+// type and one test per rejection rule of the decoder.
+#include "common/proto/message.h"
+
+#include <cstring>
+#include <random>
+
+#include <gtest/gtest.h>
+
+namespace ember::proto {
+namespace {
+
+Header push_header(std::uint64_t elements) {
+  Header h;
+  h.type = MsgType::kPush;
+  h.dtype = DType::kFloat32;
+  h.request_id = 42;
+  h.key = 0x1122334455667788ULL;
+  h.step = 9;
+  h.chunk_index = 1;
+  h.num_chunks = 3;
+  h.worker_rank = 2;
+  h.num_elements = elements;
+  h.offset_elements = 100;
+  return h;
+}
+
+std::vector<std::byte> floats_bytes(std::vector<float> v) {
+  std::vector<std::byte> out(v.size() * 4);
+  std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
+TEST(Proto, PushRoundTripsEveryField) {
+  auto payload = floats_bytes({1.5f, -2.0f, 3.25f});
+  const Header h = push_header(3);
+  auto bytes = encode_message(h, {}, payload);
+  ASSERT_EQ(bytes.size(), kHeaderBytes + 12);
+  auto m = decode(bytes);
+  ASSERT_TRUE(m) << m.error().to_string();
+  EXPECT_EQ(m->header.type, MsgType::kPush);
+  EXPECT_EQ(m->header.request_id, 42u);
+  EXPECT_EQ(m->header.key, 0x1122334455667788ULL);
+  EXPECT_EQ(m->header.step, 9u);
+  EXPECT_EQ(m->header.chunk_index, 1u);
+  EXPECT_EQ(m->header.num_chunks, 3u);
+  EXPECT_EQ(m->header.worker_rank, 2u);
+  EXPECT_EQ(m->header.num_elements, 3u);
+  EXPECT_EQ(m->header.offset_elements, 100u);
+  EXPECT_EQ(m->header.dtype, DType::kFloat32);
+  ASSERT_EQ(m->payload.size(), 12u);
+  float f[3];
+  std::memcpy(f, m->payload.data(), 12);
+  EXPECT_EQ(f[2], 3.25f);
+}
+
+TEST(Proto, WireBytesAreLittleEndianAtDocumentedOffsets) {
+  const Header h = push_header(0);
+  auto bytes = encode_message(h, {}, {});
+  auto u8 = [&](std::size_t i) { return static_cast<unsigned>(bytes[i]); };
+  EXPECT_EQ(u8(0), 'E');
+  EXPECT_EQ(u8(1), 'M');
+  EXPECT_EQ(u8(2), 'P');
+  EXPECT_EQ(u8(3), 'S');
+  EXPECT_EQ(u8(4), kVersion);
+  EXPECT_EQ(u8(5), static_cast<unsigned>(MsgType::kPush));
+  EXPECT_EQ(u8(16), 0x88u);  // key, least significant byte first
+  EXPECT_EQ(u8(23), 0x11u);
+  EXPECT_EQ(u8(24), 9u);     // step
+  EXPECT_EQ(u8(36), 3u);     // num_chunks
+  EXPECT_EQ(u8(40), 2u);     // worker_rank
+  EXPECT_EQ(u8(56), 100u);   // offset_elements
+}
+
+TEST(Proto, InitCarriesShape) {
+  Header h;
+  h.type = MsgType::kInit;
+  h.dtype = DType::kFloat32;
+  h.ndim = 2;
+  h.num_elements = 6;
+  const std::uint64_t dims[] = {2, 3};
+  auto bytes = encode_message(h, dims, floats_bytes({1, 2, 3, 4, 5, 6}));
+  auto m = decode(bytes);
+  ASSERT_TRUE(m) << m.error().to_string();
+  ASSERT_EQ(m->shape().size(), 2u);
+  EXPECT_EQ(m->shape()[0], 2u);
+  EXPECT_EQ(m->shape()[1], 3u);
+  EXPECT_EQ(m->payload.size(), 24u);
+}
+
+TEST(Proto, InitWithoutDataHasEmptyPayload) {
+  Header h;
+  h.type = MsgType::kInit;
+  h.flags = kFlagNoData;
+  h.dtype = DType::kFloat32;
+  h.ndim = 1;
+  h.num_elements = 5;
+  const std::uint64_t dims[] = {5};
+  EXPECT_TRUE(decode(encode_message(h, dims, {})));
+  EXPECT_FALSE(decode(encode_message(h, dims, floats_bytes({1}))));
+}
+
+TEST(Proto, ScalarInitHasOneElement) {
+  Header h;
+  h.type = MsgType::kInit;
+  h.dtype = DType::kFloat32;
+  h.num_elements = 1;
+  EXPECT_TRUE(decode(encode_message(h, {}, floats_bytes({7}))));
+  h.num_elements = 2;
+  EXPECT_FALSE(decode(encode_message(h, {}, floats_bytes({7, 8}))));
+}
+
+TEST(Proto, JoinBodiesRoundTrip) {
+  Header h;
+  h.type = MsgType::kJoin;
+  h.worker_rank = 3;
+  JoinRequestBody body{4, 2, 1, 0};
+  auto m = decode(encode_message(h, {}, encode_body(body)));
+  ASSERT_TRUE(m);
+  auto back = decode_join_request(m->payload.first<sizeof(JoinRequestBody)>());
+  EXPECT_EQ(back.num_workers, 4u);
+  EXPECT_EQ(back.num_servers, 2u);
+  EXPECT_EQ(back.server_index, 1u);
+
+  Header r = reply_header(h);
+  JoinReplyBody rb{4, 2, 1, static_cast<std::uint8_t>(Consistency::kSsp),
+                   static_cast<std::uint8_t>(LossPolicy::kShrink), 3, 5};
+  auto rm = decode(encode_message(r, {}, encode_body(rb)));
+  ASSERT_TRUE(rm) << rm.error().to_string();
+  auto rback = decode_join_reply(rm->payload.first<sizeof(JoinReplyBody)>());
+  EXPECT_EQ(rback.staleness, 5u);
+  EXPECT_EQ(rback.num_shards, 3u);
+  EXPECT_EQ(rback.consistency, static_cast<std::uint8_t>(Consistency::kSsp));
+}
+
+TEST(Proto, SetLearningRateCarriesOneDouble) {
+  Header h;
+  h.type = MsgType::kSetLearningRate;
+  h.dtype = DType::kFloat64;
+  h.num_elements = 1;
+  auto m = decode(encode_message(h, {}, encode_f64(0.0125)));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(decode_f64(m->payload.first<8>()), 0.0125);
+  h.num_elements = 2;
+  EXPECT_FALSE(decode(encode_message(h, {}, encode_f64(0.1))));
+}
+
+TEST(Proto, ErrorReplyCarriesCodeAndText) {
+  auto bytes = encode_error_reply(push_header(3), Error(ErrorCode::kStale, "step 3 is over"));
+  auto m = decode(bytes);
+  ASSERT_TRUE(m) << m.error().to_string();
+  EXPECT_TRUE(m->header.is_reply());
+  EXPECT_EQ(m->header.status, ErrorCode::kStale);
+  EXPECT_EQ(m->text(), "step 3 is over");
+  EXPECT_EQ(m->header.request_id, 42u);
+}
+
+TEST(Proto, ErrorReplyTextIsTruncated) {
+  auto bytes = encode_error_reply(push_header(3), Error(ErrorCode::kInternal, std::string(9000, 'x')));
+  auto m = decode(bytes);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->payload.size(), kMaxErrorTextBytes);
+}
+
+TEST(Proto, PullReplyCarriesData) {
+  Header req = push_header(2);
+  req.type = MsgType::kPull;
+  Header r = reply_header(req);
+  r.dtype = DType::kFloat32;
+  r.num_elements = 2;
+  EXPECT_TRUE(decode(encode_message(r, {}, floats_bytes({1, 2}))));
+  EXPECT_FALSE(decode(encode_message(r, {}, floats_bytes({1}))));
+}
+
+// --- rejections: one per rule ---
+
+std::vector<std::byte> good_push() { return encode_message(push_header(1), {}, floats_bytes({1})); }
+
+void expect_malformed(const std::vector<std::byte>& bytes, std::string_view needle) {
+  auto m = decode(bytes);
+  ASSERT_FALSE(m);
+  EXPECT_EQ(m.error().code(), ErrorCode::kMalformedFrame) << m.error().to_string();
+  EXPECT_NE(m.error().message().find(needle), std::string::npos) << m.error().message();
+}
+
+TEST(ProtoDecode, RejectsShortMessage) {
+  auto b = good_push();
+  b.resize(63);
+  expect_malformed(b, "shorter");
+}
+
+TEST(ProtoDecode, RejectsBadMagic) {
+  auto b = good_push();
+  b[0] = std::byte{'X'};
+  expect_malformed(b, "magic");
+}
+
+TEST(ProtoDecode, RejectsOtherVersionWithVersionMismatch) {
+  auto b = good_push();
+  b[4] = std::byte{kVersion + 1};
+  auto m = decode(b);
+  ASSERT_FALSE(m);
+  EXPECT_EQ(m.error().code(), ErrorCode::kVersionMismatch);
+}
+
+TEST(ProtoDecode, RejectsUnknownType) {
+  auto b = good_push();
+  b[5] = std::byte{0};
+  expect_malformed(b, "type");
+  b[5] = std::byte{kMaxMsgType + 1};
+  expect_malformed(b, "type");
+}
+
+TEST(ProtoDecode, RejectsUnknownFlags) {
+  auto b = good_push();
+  b[6] = std::byte{0x80};
+  expect_malformed(b, "flag");
+}
+
+TEST(ProtoDecode, RejectsUnknownDType) {
+  auto b = good_push();
+  b[7] = std::byte{kMaxDType + 1};
+  expect_malformed(b, "dtype");
+}
+
+TEST(ProtoDecode, RejectsNonZeroReserved) {
+  auto b = good_push();
+  b[47] = std::byte{1};
+  expect_malformed(b, "reserved");
+}
+
+TEST(ProtoDecode, RejectsTooManyDims) {
+  auto b = good_push();
+  b[46] = std::byte{kMaxDims + 1};
+  expect_malformed(b, "ndim");
+}
+
+TEST(ProtoDecode, RejectsUnknownStatus) {
+  auto b = good_push();
+  b[44] = std::byte{200};
+  expect_malformed(b, "status");
+}
+
+TEST(ProtoDecode, RejectsStatusInRequest) {
+  Header h = push_header(1);
+  h.status = ErrorCode::kStale;
+  expect_malformed(encode_message(h, {}, floats_bytes({1})), "request carries status");
+}
+
+TEST(ProtoDecode, RejectsPayloadLengthMismatch) {
+  expect_malformed(encode_message(push_header(2), {}, floats_bytes({1})), "payload");
+  expect_malformed(encode_message(push_header(1), {}, floats_bytes({1, 2})), "payload");
+}
+
+TEST(ProtoDecode, RejectsHugeElementCountWithoutOverflow) {
+  Header h = push_header(~std::uint64_t{0} / 4 + 1);  // times 4 wraps to 0
+  expect_malformed(encode_message(h, {}, {}), "exceeds");
+}
+
+TEST(ProtoDecode, RejectsChunkIndexOutOfRange) {
+  Header h = push_header(1);
+  h.chunk_index = 3;
+  expect_malformed(encode_message(h, {}, floats_bytes({1})), "chunk_index");
+  h.chunk_index = 0;
+  h.num_chunks = 0;
+  expect_malformed(encode_message(h, {}, floats_bytes({1})), "chunk_index");
+}
+
+TEST(ProtoDecode, RejectsShapeOnPush) {
+  Header h = push_header(1);
+  h.ndim = 1;
+  const std::uint64_t dims[] = {1};
+  expect_malformed(encode_message(h, dims, floats_bytes({1})), "shape");
+}
+
+TEST(ProtoDecode, RejectsMessageEndingInsideShape) {
+  Header h;
+  h.type = MsgType::kInit;
+  h.dtype = DType::kFloat32;
+  h.ndim = 3;
+  const std::uint64_t dims[] = {1, 1, 1};
+  auto b = encode_message(h, dims, {});
+  b.resize(kHeaderBytes + 8);
+  expect_malformed(b, "shape");
+}
+
+TEST(ProtoDecode, RejectsShapeProductOverflow) {
+  Header h;
+  h.type = MsgType::kInit;
+  h.flags = kFlagNoData;
+  h.dtype = DType::kFloat32;
+  h.ndim = 2;
+  const std::uint64_t dims[] = {std::uint64_t{1} << 32, std::uint64_t{1} << 32};
+  expect_malformed(encode_message(h, dims, {}), "exceed");
+}
+
+TEST(ProtoDecode, RejectsChunkOutsideTensor) {
+  Header h;
+  h.type = MsgType::kInit;
+  h.flags = kFlagNoData;
+  h.dtype = DType::kFloat32;
+  h.ndim = 1;
+  h.num_elements = 4;
+  h.offset_elements = 8;
+  const std::uint64_t dims[] = {10};
+  expect_malformed(encode_message(h, dims, {}), "outside");
+}
+
+TEST(ProtoDecode, RejectsInitWithNonTensorDType) {
+  Header h;
+  h.type = MsgType::kInit;
+  h.flags = kFlagNoData;
+  h.dtype = DType::kFloat64;
+  h.num_elements = 1;
+  expect_malformed(encode_message(h, {}, {}), "tensor");
+}
+
+TEST(ProtoDecode, RejectsNoDataFlagOutsideInit) {
+  Header h = push_header(1);
+  h.flags = kFlagNoData;
+  expect_malformed(encode_message(h, {}, floats_bytes({1})), "no-data");
+}
+
+TEST(ProtoDecode, RejectsPayloadOnPull) {
+  Header h = push_header(1);
+  h.type = MsgType::kPull;
+  expect_malformed(encode_message(h, {}, floats_bytes({1})), "no payload");
+}
+
+TEST(ProtoDecode, RejectsWrongJoinBody) {
+  Header h;
+  h.type = MsgType::kJoin;
+  expect_malformed(encode_message(h, {}, floats_bytes({1})), "join body");
+}
+
+TEST(ProtoDecode, RejectsErrorReplyWithDTypeOrLongText) {
+  Header r = reply_header(push_header(1));
+  r.status = ErrorCode::kStale;
+  r.dtype = DType::kFloat32;
+  expect_malformed(encode_message(r, {}, {}), "dtype");
+  r.dtype = DType::kNone;
+  std::vector<std::byte> text(kMaxErrorTextBytes + 1, std::byte{'a'});
+  expect_malformed(encode_message(r, {}, text), "error text");
+}
+
+// Property: anything decode() accepts re-encodes to the same bytes.
+TEST(ProtoDecode, AcceptedMessagesReencodeIdentically) {
+  const std::uint64_t seed = std::random_device{}();
+  std::printf("seed=%llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  const auto base = good_push();
+  int accepted = 0;
+  for (int i = 0; i < 20000; ++i) {
+    auto b = base;
+    const int flips = 1 + static_cast<int>(rng() % 3);
+    for (int f = 0; f < flips; ++f) b[rng() % b.size()] ^= std::byte(1u << (rng() % 8));
+    auto m = decode(b);
+    if (!m) continue;
+    ++accepted;
+    auto again = encode_message(m->header, m->shape(), m->payload);
+    ASSERT_EQ(again, b) << "seed " << seed << " iteration " << i;
+  }
+  EXPECT_GT(accepted, 0);
+}
+
+}  // namespace
+}  // namespace ember::proto
