@@ -121,9 +121,11 @@ class BatchEncoder {
 
  private:
   BatchEncoder(std::size_t threshold, std::size_t expected_items);
-  // Offset in out_ where the payload area starts if the batch has `items`
-  // items and starts at out_[0].
-  bool room_for(std::size_t payload_bytes, std::size_t* payload_offset_in_out);
+  // Whether a payload of payload_bytes can be the next item; moves the
+  // payload area when only that makes it fit. Sets *area_offset (the item's
+  // offset from the payload area's start) on success.
+  bool room_for(std::size_t payload_bytes, std::size_t* area_offset);
+  // memmove of the payload area to out_[new_base] (counted in relocated_bytes_).
   void move_payloads_to(std::size_t new_base);
 
   std::size_t threshold_;

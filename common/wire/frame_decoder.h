@@ -234,29 +234,34 @@ class FrameDecoder {
     kFailed,        // poisoned with error_
   };
 
+  FrameDecoder() = default;  // moved-into state; create() builds usable ones
   explicit FrameDecoder(const DecoderOptions& options);
   void release_handed_out() noexcept;
+  void release_external_body() noexcept;
+  // Runs the state machine over buffered bytes until it needs more or a frame is ready.
   Status advance();
   Status fail(Error error);
-  Status check_header();
-  Status check_table();
-  Status enter_body();
   Status check_crc(std::uint32_t computed);
+  Status enter_body();
+  // Makes room for `bytes` more bytes at buf_[end_] (compaction or growth).
   void reserve_tail(std::size_t bytes);
+  // Bytes of the current frame the receive buffer needs before the next step.
   std::size_t unit_goal() const noexcept;
 
   DecoderOptions options_;
   std::unique_ptr<std::byte[]> buf_;
   std::size_t capacity_ = 0;
-  std::size_t begin_ = 0;  // receive-buffer offset of the current frame's first byte
+  std::size_t begin_ = 0;  // receive-buffer offset of the current frame's first byte (multiple of 8)
   std::size_t end_ = 0;    // receive-buffer offset one past the last received byte
   State state_ = State::kHeader;
-  FrameInfo info_;
-  std::uint32_t header_crc_ = 0;    // the crc32c field of the current frame
-  std::size_t frame_buffer_bytes_ = 0;  // bytes of the current frame kept at buf_[begin_]
-  std::span<std::byte> ext_body_;       // external body of the current frame
+  FrameInfo info_;                       // current frame, valid from kTable on
+  std::uint32_t header_crc_ = 0;         // its crc32c field
+  std::uint64_t frame_stream_offset_ = 0;  // stream byte of buf_[begin_]
+  std::size_t frame_buffer_bytes_ = 0;   // bytes of the current frame kept at buf_[begin_]
+  std::span<std::byte> ext_body_;        // external body of the current frame
   std::size_t ext_filled_ = 0;
-  std::uint32_t ext_crc_ = 0;           // running CRC32C over frame bytes [8, prefix + ext_filled_)
+  std::uint32_t ext_crc_ = 0;            // CRC32C of frame bytes [8, prefix + ext_filled_)
+  bool prepare_pending_ = false;
   bool last_prepare_external_ = false;
   std::size_t last_prepare_bytes_ = 0;
   std::uint64_t stream_bytes_ = 0;
