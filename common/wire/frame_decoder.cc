@@ -299,7 +299,8 @@ Status FrameDecoder::check_crc(std::uint32_t computed) {
 Status FrameDecoder::enter_body() {
   const std::size_t prefix = info_.prefix_bytes;
   const std::size_t body = info_.body_bytes();
-  if (options_.body_allocator != nullptr && info_.frame_bytes >= options_.external_body_min_bytes) {
+  if (options_.body_allocator != nullptr && body > 0 &&
+      info_.frame_bytes >= options_.external_body_min_bytes) {
     auto dest = options_.body_allocator->allocate_body(info_, body);
     if (!dest) {
       Error e = std::move(dest).error();

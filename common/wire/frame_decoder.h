@@ -120,7 +120,8 @@ struct DecoderOptions {
   // Valid: >= kMinFrameBytes.
   std::size_t receive_buffer_bytes = kDefaultReceiveBufferBytes;
   // Frames of at least this many bytes get their body from body_allocator
-  // (when set). Valid: >= kMinFrameBytes.
+  // (when set), unless the body is empty (all items zero-length).
+  // Valid: >= kMinFrameBytes.
   std::size_t external_body_min_bytes = kDefaultReceiveBufferBytes;
   // Not owned; must outlive the decoder. nullptr: every frame lands in the
   // receive buffer.
