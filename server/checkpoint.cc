@@ -1,0 +1,421 @@
+// Checkpoint serialisation, atomic write and validated load; see checkpoint.h.
+#include "server/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "common/base/logging.h"
+#include "common/wire/crc32c.h"
+
+namespace ember::server {
+namespace {
+
+constexpr char kFileMagic[8] = {'E', 'M', 'B', 'R', 'C', 'K', 'P', 'T'};
+constexpr char kFooterMagic[8] = {'E', 'M', 'B', 'R', 'D', 'O', 'N', 'E'};
+constexpr std::uint32_t kFormatVersion = 1;
+constexpr std::size_t kFileHeaderBytes = 64;
+constexpr std::size_t kEntryHeaderBytes = 64;
+constexpr std::size_t kFooterBytes = 16;
+constexpr std::uint32_t kMaxClocks = 1u << 20;
+constexpr std::uint32_t kMaxSlots = 8;
+
+static_assert(std::endian::native == std::endian::little,
+              "checkpoint serialisation assumes a little-endian host");
+
+// Appends little-endian values to a byte vector.
+class Writer {
+ public:
+  explicit Writer(std::vector<std::byte>& out) : out_(out) {}
+  template <typename T>
+  void put(T v) {
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    out_.insert(out_.end(), p, p + sizeof v);
+  }
+  void bytes(const void* data, std::size_t n) {
+    const auto* p = static_cast<const std::byte*>(data);
+    out_.insert(out_.end(), p, p + n);
+  }
+  void zeros(std::size_t n) { out_.insert(out_.end(), n, std::byte{0}); }
+  std::size_t size() const { return out_.size(); }
+
+ private:
+  std::vector<std::byte>& out_;
+};
+
+// Reads little-endian values with bounds checks.
+class Reader {
+ public:
+  explicit Reader(std::span<const std::byte> bytes) : bytes_(bytes) {}
+  std::size_t pos() const { return pos_; }
+  std::size_t left() const { return bytes_.size() - pos_; }
+  template <typename T>
+  bool get(T& v) {
+    if (left() < sizeof v) return false;
+    std::memcpy(&v, bytes_.data() + pos_, sizeof v);
+    pos_ += sizeof v;
+    return true;
+  }
+  bool take(std::size_t n, std::span<const std::byte>& out) {
+    if (left() < n) return false;
+    out = bytes_.subspan(pos_, n);
+    pos_ += n;
+    return true;
+  }
+
+ private:
+  std::span<const std::byte> bytes_;
+  std::size_t pos_ = 0;
+};
+
+tl::unexpected<Error> corrupt(std::string message) {
+  return tl::unexpected(Error(ErrorCode::kCorrupt, std::move(message)));
+}
+
+void put_floats(Writer& w, const std::vector<float>& v) { w.bytes(v.data(), v.size() * sizeof(float)); }
+
+Result<EntrySnapshot> parse_entry(std::span<const std::byte> body, std::size_t index,
+                                  std::size_t count) {
+  Reader r(body);
+  EntrySnapshot e;
+  std::uint8_t dtype = 0, ndim = 0, num_slots = 0, reserved8 = 0;
+  std::uint32_t num_clocks = 0, reserved32 = 0;
+  std::uint64_t num_elements = 0, num_updates = 0;
+  bool ok = r.get(e.key) && r.get(e.chunk_index) && r.get(e.num_chunks) &&
+            r.get(e.offset_elements) && r.get(num_elements) && r.get(e.version) &&
+            r.get(num_updates) && r.get(dtype) && r.get(ndim) && r.get(num_slots) &&
+            r.get(reserved8) && r.get(num_clocks) && r.get(reserved32);
+  std::uint32_t pad = 0;
+  ok = ok && r.get(pad);
+  if (!ok || r.pos() != kEntryHeaderBytes) {
+    return corrupt(fmt::format("entry {} of {}: record shorter than its {}-byte header", index,
+                               count, kEntryHeaderBytes));
+  }
+  const std::string name = fmt::format("entry {} of {} (key {} chunk {})", index, count, e.key,
+                                       e.chunk_index);
+  if (dtype != static_cast<std::uint8_t>(proto::DType::kFloat32)) {
+    return corrupt(fmt::format("{}: dtype {} is not float32", name, dtype));
+  }
+  e.dtype = proto::DType::kFloat32;
+  if (ndim > proto::kMaxDims || num_slots > kMaxSlots || num_clocks > kMaxClocks ||
+      num_elements > proto::kMaxElements) {
+    return corrupt(fmt::format("{}: ndim {}, slots {}, clocks {} or elements {} out of range",
+                               name, ndim, num_slots, num_clocks, num_elements));
+  }
+  // Everything that follows must be exactly the rest of the body.
+  const std::uint64_t need = 8ull * ndim + 8ull * num_clocks +
+                             4ull * num_elements * (1ull + num_slots);
+  if (need != r.left()) {
+    return corrupt(fmt::format("{}: body holds {} bytes after its header, layout needs {}", name,
+                               r.left(), need));
+  }
+  e.shape.resize(ndim);
+  for (auto& d : e.shape) r.get(d);
+  e.clocks.resize(num_clocks);
+  for (auto& c : e.clocks) r.get(c);
+  std::span<const std::byte> raw;
+  e.params.resize(num_elements);
+  r.take(num_elements * 4, raw);
+  if (!raw.empty()) std::memcpy(e.params.data(), raw.data(), raw.size());
+  e.optimizer.num_updates = num_updates;
+  e.optimizer.slots.resize(num_slots);
+  for (auto& slot : e.optimizer.slots) {
+    slot.resize(num_elements);
+    r.take(num_elements * 4, raw);
+    if (!raw.empty()) std::memcpy(slot.data(), raw.data(), raw.size());
+  }
+  return e;
+}
+
+Status sys_fail(int err, std::string_view what, const std::filesystem::path& path) {
+  return make_sys_error(err, "checkpoint: {} '{}' failed", what, path.string());
+}
+
+Status write_all(int fd, const std::byte* data, std::size_t n, const std::filesystem::path& path) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, data, std::min<std::size_t>(n, std::size_t{1} << 30));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return sys_fail(errno, "write", path);
+    }
+    data += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return ok_status();
+}
+
+Status fsync_dir(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return sys_fail(errno, "open directory", dir);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return sys_fail(err, "fsync directory", dir);
+  return ok_status();
+}
+
+// Parses "ckpt-s<server>-<seq>.ember"; nullopt when the name does not match.
+std::optional<std::uint64_t> sequence_of(const std::string& name, std::uint32_t server_index) {
+  const std::string prefix = fmt::format("ckpt-s{:03}-", server_index);
+  const std::string suffix = ".ember";
+  if (name.size() <= prefix.size() + suffix.size() || name.rfind(prefix, 0) != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return std::nullopt;
+  }
+  const char* first = name.data() + prefix.size();
+  const char* last = name.data() + name.size() - suffix.size();
+  std::uint64_t seq = 0;
+  auto [ptr, ec] = std::from_chars(first, last, seq);
+  if (ec != std::errc() || ptr != last) return std::nullopt;
+  return seq;
+}
+
+}  // namespace
+
+std::string checkpoint_file_name(std::uint32_t server_index, std::uint64_t sequence) {
+  return fmt::format("ckpt-s{:03}-{:010}.ember", server_index, sequence);
+}
+
+std::vector<std::byte> serialize_checkpoint(const CheckpointData& data) {
+  std::vector<std::byte> out;
+  std::size_t total = kFileHeaderBytes + kFooterBytes;
+  for (const auto& e : data.entries) {
+    total += 12 + kEntryHeaderBytes + 8 * (e.shape.size() + e.clocks.size()) +
+             4 * e.params.size() * (1 + e.optimizer.slots.size());
+  }
+  out.reserve(total);
+  Writer w(out);
+  w.bytes(kFileMagic, 8);
+  w.put<std::uint32_t>(kFormatVersion);
+  w.put<std::uint32_t>(data.server_index);
+  w.put<std::uint64_t>(data.sequence);
+  w.put<std::uint64_t>(data.created_unix_ns);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(data.entries.size()));
+  w.put<std::uint32_t>(data.num_workers);
+  w.put<std::uint8_t>(static_cast<std::uint8_t>(data.optimizer));
+  w.put<std::uint8_t>(static_cast<std::uint8_t>(data.consistency));
+  w.zeros(6);
+  w.put<double>(data.learning_rate);
+  w.zeros(kFileHeaderBytes - 4 - w.size());
+  const std::uint32_t header_crc = wire::crc32c(std::span<const std::byte>(out.data(), w.size()));
+  w.put<std::uint32_t>(header_crc);
+
+  for (const auto& e : data.entries) {
+    const std::size_t len_at = w.size();
+    w.put<std::uint64_t>(0);  // body length, patched below
+    const std::size_t body_at = w.size();
+    w.put<std::uint64_t>(e.key);
+    w.put<std::uint32_t>(e.chunk_index);
+    w.put<std::uint32_t>(e.num_chunks);
+    w.put<std::uint64_t>(e.offset_elements);
+    w.put<std::uint64_t>(e.params.size());
+    w.put<std::uint64_t>(e.version);
+    w.put<std::uint64_t>(e.optimizer.num_updates);
+    w.put<std::uint8_t>(static_cast<std::uint8_t>(e.dtype));
+    w.put<std::uint8_t>(static_cast<std::uint8_t>(e.shape.size()));
+    w.put<std::uint8_t>(static_cast<std::uint8_t>(e.optimizer.slots.size()));
+    w.put<std::uint8_t>(0);
+    w.put<std::uint32_t>(static_cast<std::uint32_t>(e.clocks.size()));
+    w.put<std::uint32_t>(0);
+    w.put<std::uint32_t>(0);
+    for (auto d : e.shape) w.put<std::uint64_t>(d);
+    for (auto c : e.clocks) w.put<std::uint64_t>(c);
+    put_floats(w, e.params);
+    for (const auto& slot : e.optimizer.slots) put_floats(w, slot);
+    const std::uint64_t body_len = w.size() - body_at;
+    std::memcpy(out.data() + len_at, &body_len, 8);
+    const std::uint32_t crc =
+        wire::crc32c(std::span<const std::byte>(out.data() + body_at, body_len));
+    w.put<std::uint32_t>(crc);
+  }
+  w.bytes(kFooterMagic, 8);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(data.entries.size()));
+  w.put<std::uint32_t>(header_crc);
+  return out;
+}
+
+Result<CheckpointData> parse_checkpoint(std::span<const std::byte> bytes) {
+  Reader r(bytes);
+  CheckpointData d;
+  char magic[8];
+  std::span<const std::byte> raw;
+  if (!r.take(8, raw)) {
+    return corrupt(fmt::format("truncated: {} bytes, shorter than the file header", bytes.size()));
+  }
+  std::memcpy(magic, raw.data(), 8);
+  if (std::memcmp(magic, kFileMagic, 8) != 0) return corrupt("not an Ember checkpoint (bad magic)");
+  std::uint32_t version = 0, num_entries = 0, header_crc = 0;
+  std::uint8_t opt = 0, consistency = 0;
+  bool ok = r.get(version) && r.get(d.server_index) && r.get(d.sequence) &&
+            r.get(d.created_unix_ns) && r.get(num_entries) && r.get(d.num_workers) &&
+            r.get(opt) && r.get(consistency) && r.take(6, raw) && r.get(d.learning_rate) &&
+            r.take(kFileHeaderBytes - 4 - r.pos(), raw) && r.get(header_crc);
+  if (!ok) {
+    return corrupt(fmt::format("truncated: {} bytes, shorter than the file header", bytes.size()));
+  }
+  if (version != kFormatVersion) {
+    return corrupt(fmt::format("format version {} (this build reads {})", version, kFormatVersion));
+  }
+  if (wire::crc32c(bytes.first(kFileHeaderBytes - 4)) != header_crc) {
+    return corrupt("checksum mismatch in the file header");
+  }
+  if (opt > static_cast<std::uint8_t>(config::OptimizerType::kAdagrad) ||
+      consistency > static_cast<std::uint8_t>(proto::Consistency::kSsp)) {
+    return corrupt(fmt::format("unknown optimizer {} or consistency {}", opt, consistency));
+  }
+  d.optimizer = static_cast<config::OptimizerType>(opt);
+  d.consistency = static_cast<proto::Consistency>(consistency);
+  // Each record takes at least 12 + 64 bytes: bound the count before reserving.
+  if (num_entries > r.left() / (12 + kEntryHeaderBytes)) {
+    return corrupt(fmt::format("truncated: header announces {} entries but only {} bytes follow",
+                               num_entries, r.left()));
+  }
+  d.entries.reserve(num_entries);
+  for (std::uint32_t i = 0; i < num_entries; ++i) {
+    const std::size_t at = r.pos();
+    std::uint64_t body_len = 0;
+    std::uint32_t crc = 0;
+    if (!r.get(body_len) || body_len > r.left() || !r.take(body_len, raw) || !r.get(crc)) {
+      return corrupt(fmt::format("truncated: ends at byte {} inside entry {} of {} (record at {})",
+                                 bytes.size(), i, num_entries, at));
+    }
+    if (wire::crc32c(raw) != crc) {
+      std::uint64_t key = 0;
+      std::uint32_t chunk = 0;
+      if (raw.size() >= 12) {
+        std::memcpy(&key, raw.data(), 8);
+        std::memcpy(&chunk, raw.data() + 8, 4);
+      }
+      return corrupt(fmt::format("checksum mismatch in the record of key {} chunk {} (entry {} of "
+                                 "{}, at byte {})",
+                                 key, chunk, i, num_entries, at));
+    }
+    EMBER_ASSIGN_OR_RETURN(EntrySnapshot e, parse_entry(raw, i, num_entries));
+    d.entries.push_back(std::move(e));
+  }
+  std::uint32_t footer_count = 0, footer_crc = 0;
+  if (!r.take(8, raw) || !r.get(footer_count) || !r.get(footer_crc)) {
+    return corrupt(fmt::format("truncated: ends at byte {} before the footer", bytes.size()));
+  }
+  if (std::memcmp(raw.data(), kFooterMagic, 8) != 0 || footer_count != num_entries ||
+      footer_crc != header_crc) {
+    return corrupt("footer does not match the header (bad magic, count or checksum)");
+  }
+  if (r.left() != 0) {
+    return corrupt(fmt::format("{} unexpected bytes after the footer", r.left()));
+  }
+  return d;
+}
+
+Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& dir,
+                                               const CheckpointData& data, std::uint32_t keep) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return make_sys_error(ec.value(), "checkpoint: cannot create directory '{}'", dir.string());
+  }
+  const std::filesystem::path final_path =
+      dir / checkpoint_file_name(data.server_index, data.sequence);
+  const std::filesystem::path tmp_path = dir / ("." + final_path.filename().string() + ".tmp");
+  const std::vector<std::byte> image = serialize_checkpoint(data);
+
+  const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return tl::unexpected(sys_fail(errno, "create", tmp_path).error());
+  Status st = write_all(fd, image.data(), image.size(), tmp_path);
+  if (st && ::fsync(fd) != 0) st = sys_fail(errno, "fsync", tmp_path);
+  if (::close(fd) != 0 && st) st = sys_fail(errno, "close", tmp_path);
+  if (st && ::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
+    st = sys_fail(errno, "rename to " + final_path.string(), tmp_path);
+  }
+  if (!st) {
+    ::unlink(tmp_path.c_str());
+    return tl::unexpected(st.error());
+  }
+  EMBER_TRY(fsync_dir(dir));
+
+  // Keep the newest `keep` of this server.
+  EMBER_ASSIGN_OR_RETURN(auto files, list_checkpoints(dir, data.server_index));
+  for (std::size_t i = std::max<std::uint32_t>(keep, 1); i < files.size(); ++i) {
+    std::filesystem::remove(files[i].second, ec);
+    if (ec) {
+      log::logger("checkpoint")->warn("cannot delete old checkpoint '{}': {}",
+                                      files[i].second.string(), ec.message());
+    }
+  }
+  return final_path;
+}
+
+Result<std::vector<std::pair<std::uint64_t, std::filesystem::path>>> list_checkpoints(
+    const std::filesystem::path& dir, std::uint32_t server_index) {
+  std::vector<std::pair<std::uint64_t, std::filesystem::path>> out;
+  std::error_code ec;
+  if (!std::filesystem::exists(dir, ec)) return out;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (!entry.is_regular_file()) continue;
+    if (auto seq = sequence_of(entry.path().filename().string(), server_index)) {
+      out.emplace_back(*seq, entry.path());
+    }
+  }
+  if (ec) {
+    return make_sys_error(ec.value(), "checkpoint: cannot list directory '{}'", dir.string());
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return out;
+}
+
+Result<LoadResult> load_newest_checkpoint(const std::filesystem::path& dir,
+                                          std::uint32_t server_index) {
+  EMBER_ASSIGN_OR_RETURN(auto files, list_checkpoints(dir, server_index));
+  LoadResult result;
+  if (!files.empty()) result.next_sequence = files.front().first + 1;
+  auto log = log::logger("checkpoint");
+  for (const auto& [seq, path] : files) {
+    std::vector<std::byte> image;
+    std::string reason;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      reason = Error(ErrorCode::kIo, "open failed", errno).to_string();
+    } else {
+      struct stat st {};
+      if (::fstat(fd, &st) == 0) {
+        image.resize(static_cast<std::size_t>(st.st_size));
+        std::size_t got = 0;
+        while (got < image.size()) {
+          const ssize_t n = ::read(fd, image.data() + got, image.size() - got);
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) break;
+          got += static_cast<std::size_t>(n);
+        }
+        image.resize(got);
+      }
+      ::close(fd);
+    }
+    if (reason.empty()) {
+      auto parsed = parse_checkpoint(image);
+      if (parsed && parsed->server_index != server_index) {
+        reason = fmt::format("written by server {}, this is server {}", parsed->server_index,
+                             server_index);
+      } else if (parsed) {
+        result.data = std::move(*parsed);
+        result.path = path;
+        return result;
+      } else {
+        reason = parsed.error().message();
+      }
+    }
+    log->error("refusing checkpoint '{}': {}; trying an older one", path.string(), reason);
+    result.refused.push_back(fmt::format("{}: {}", path.string(), reason));
+  }
+  return result;
+}
+
+}  // namespace ember::server

@@ -1,0 +1,96 @@
+// Checkpoints of a server's parameters and optimizer state.
+//
+// One file per checkpoint and server: <dir>/ckpt-s<server:3>-<sequence:10>.ember.
+// Written atomically: a temporary file in the same directory is written,
+// fsync()ed, renamed over the final name, and the directory is fsync()ed, so
+// a crash leaves either the previous set of checkpoints or the new one, never
+// a half-written file under a final name. After a successful write the files
+// beyond the newest `keep` of this server are deleted.
+//
+// Layout (little-endian; docs/checkpoint-format.md has the table):
+//   file header   64 bytes: magic "EMBRCKPT", format version, server index,
+//                 sequence, creation time, entry count, worker count,
+//                 optimizer type, consistency, learning rate, CRC32C of the
+//                 preceding header bytes
+//   entry record  u64 body length, body, u32 CRC32C of the body; the body is
+//                 a 64-byte entry header (key, chunk, layout, version,
+//                 optimizer update count, dtype, ndim, slot count, clock
+//                 count), the shape, the per-rank clocks, the parameters and
+//                 each optimizer slot (float32)
+//   footer        16 bytes: magic "EMBRDONE", entry count, CRC32C of the
+//                 file header
+// A file that ends early, has a bad magic, a record CRC that does not match
+// (naming the key), a count that disagrees or trailing bytes is refused.
+//
+// Trust nothing: parse_checkpoint bounds every length by the bytes present
+// before using it (checkpoint_fuzz exercises it).
+//
+// Thread-safety: free functions; write and load block on file I/O and are
+// meant for the checkpoint thread and for start-up.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/base/error.h"
+#include "common/config/config.h"
+#include "server/shard_core.h"
+
+namespace ember::server {
+
+struct CheckpointData {
+  std::uint32_t server_index = 0;
+  std::uint64_t sequence = 0;
+  std::uint64_t created_unix_ns = 0;
+  std::uint32_t num_workers = 0;
+  config::OptimizerType optimizer = config::OptimizerType::kSgd;
+  proto::Consistency consistency = proto::Consistency::kBsp;
+  double learning_rate = 0.0;
+  std::vector<EntrySnapshot> entries;
+
+  bool operator==(const CheckpointData&) const = default;
+};
+
+// Serialises `data` to its file image (used by write_checkpoint and tests).
+std::vector<std::byte> serialize_checkpoint(const CheckpointData& data);
+
+// Parses a file image. Errors: kCorrupt with what is wrong and where
+// ("truncated: ends at byte 812 inside entry 3 of 6", "checksum mismatch in
+// the record of key 7 chunk 0").
+[[nodiscard]] Result<CheckpointData> parse_checkpoint(std::span<const std::byte> bytes);
+
+// "ckpt-s000-0000000012.ember"
+std::string checkpoint_file_name(std::uint32_t server_index, std::uint64_t sequence);
+
+// Writes `data` atomically into `dir` (created if missing) and prunes older
+// files of the same server beyond `keep` (>= 1). Returns the final path.
+// Errors: kIo naming the path and the failed call (the temporary file is
+// removed).
+[[nodiscard]] Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& dir,
+                                                             const CheckpointData& data,
+                                                             std::uint32_t keep);
+
+// Checkpoint files of `server_index` in `dir`, newest (highest sequence)
+// first. A missing directory is an empty list. Errors: kIo.
+[[nodiscard]] Result<std::vector<std::pair<std::uint64_t, std::filesystem::path>>>
+list_checkpoints(const std::filesystem::path& dir, std::uint32_t server_index);
+
+struct LoadResult {
+  std::optional<CheckpointData> data;  // the newest valid checkpoint, if any
+  std::filesystem::path path;          // its file
+  std::uint64_t next_sequence = 1;     // one past the highest sequence seen (valid or not)
+  std::vector<std::string> refused;    // "<path>: <reason>" for each file refused
+};
+
+// Tries this server's checkpoints newest first and returns the first that
+// parses; each refused file is logged at error level once ("refusing
+// checkpoint <path>: <reason>; trying an older one"). Errors: kIo when the
+// directory cannot be listed.
+[[nodiscard]] Result<LoadResult> load_newest_checkpoint(const std::filesystem::path& dir,
+                                                        std::uint32_t server_index);
+
+}  // namespace ember::server

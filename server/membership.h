@@ -1,0 +1,72 @@
+// Membership: what a shard (or the barrier) knows about each worker rank's
+// liveness, and what the loss policy makes of it.
+//
+// A rank is present until the server reports it lost (its last connection
+// closed: heartbeat timeout, reset or orderly close) and present again when
+// it reconnects. What a lost rank means depends on the policy:
+//   wait    rounds keep waiting for it; once worker_timeout has passed since
+//           the loss without its return, it counts as failed
+//   shrink  it is excluded at once: rounds and barriers complete without it
+//   fail    it counts as failed at once
+// A request that can only complete with a failed rank's contribution gets
+// ErrorCode::kWorkerLost. Ranks that never connected are present (waited
+// for): a job starts before all its workers are up.
+//
+// Pure and thread-free: time comes in as arguments. One instance per shard
+// thread, fed the same events.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/proto/message.h"
+
+namespace ember::server {
+
+using Clock = std::chrono::steady_clock;
+using TimePoint = Clock::time_point;
+
+class Membership {
+ public:
+  Membership(std::uint32_t num_workers, proto::LossPolicy policy,
+             std::chrono::nanoseconds worker_timeout);
+
+  std::uint32_t num_workers() const noexcept { return static_cast<std::uint32_t>(states_.size()); }
+  proto::LossPolicy policy() const noexcept { return policy_; }
+
+  // Events. Both return true when the rank's state changed. pre: rank < num_workers().
+  bool lost(std::uint32_t rank, TimePoint now);
+  bool back(std::uint32_t rank);
+
+  // Marks ranks lost longer than worker_timeout (policy wait) as failed.
+  // Returns true when at least one rank changed.
+  bool tick(TimePoint now);
+  // When tick() next has something to do; nullopt when nothing is pending.
+  std::optional<TimePoint> next_deadline() const;
+
+  // Rounds and barriers proceed without an excluded rank (shrink).
+  bool excluded(std::uint32_t rank) const noexcept { return states_[rank].kind == Kind::kExcluded; }
+  // Requests needing a failed rank get kWorkerLost.
+  bool failed(std::uint32_t rank) const noexcept { return states_[rank].kind == Kind::kFailed; }
+  bool present(std::uint32_t rank) const noexcept { return states_[rank].kind == Kind::kPresent; }
+  // Number of ranks not excluded.
+  std::uint32_t num_required() const noexcept;
+
+  // The error handed to a request blocked by failed rank `rank`.
+  Error failure_error(std::uint32_t rank, std::string_view what) const;
+
+ private:
+  enum class Kind : std::uint8_t { kPresent, kWaiting, kExcluded, kFailed };
+  struct State {
+    Kind kind = Kind::kPresent;
+    TimePoint lost_since{};
+  };
+  proto::LossPolicy policy_;
+  std::chrono::nanoseconds worker_timeout_;
+  std::vector<State> states_;
+};
+
+}  // namespace ember::server

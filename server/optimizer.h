@@ -1,0 +1,84 @@
+// Server-side optimizers: the update a shard applies to a parameter chunk
+// once it has the (averaged, under BSP) gradient of a step.
+//
+// Formulas are PyTorch's torch.optim single-tensor algorithms (the
+// "Algorithm" boxes of the torch.optim.SGD / Adam / AdamW / Adagrad
+// documentation, PyTorch 2.x), with dampening = 0, maximize = false,
+// amsgrad = false and lr_decay = 0:
+//
+//   sgd       g = grad + wd * p;                       p -= lr * g
+//   momentum  g = grad + wd * p;  b = (t == 1) ? g : mu * b + g
+//             g = nesterov ? g + mu * b : b;           p -= lr * g
+//   adam      g = grad + wd * p;  m = b1 * m + (1 - b1) * g
+//             v = b2 * v + (1 - b2) * g * g
+//             p -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+//   adamw     p *= 1 - lr * wd;   then adam with wd = 0
+//   adagrad   g = grad + wd * p;  s += g * g;          p -= lr * g / (sqrt(s) + eps)
+//
+// t counts updates applied to the chunk, starting at 1 for the first. As in
+// PyTorch, tensor arithmetic is float32 with the hyper-parameters rounded to
+// float32, while the bias corrections (1 - b^t) and the Adam step size are
+// computed in double and rounded once. Adagrad's accumulator starts at
+// `initial_accumulator` (PyTorch's initial_accumulator_value), Adam's moments
+// at 0.
+//
+// Thread-safety: an Optimizer is immutable except set_learning_rate(); each
+// shard thread owns its own copy. apply() does not allocate.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/base/error.h"
+#include "common/config/config.h"
+
+namespace ember::server {
+
+// Per-chunk optimizer state, owned by the chunk's entry and checkpointed.
+struct OptimizerState {
+  std::uint64_t num_updates = 0;  // t of the last update applied (0: none yet)
+  // sgd: none. momentum: [buffer]. adam/adamw: [m, v]. adagrad: [sum].
+  std::vector<std::vector<float>> slots;
+
+  bool operator==(const OptimizerState&) const = default;
+};
+
+class Optimizer {
+ public:
+  // Validates ranges the config loader also checks (so Optimizers built in
+  // code are safe): learning_rate > 0 and finite, 0 <= momentum < 1,
+  // 0 <= beta < 1, epsilon > 0, weight_decay >= 0, initial_accumulator >= 0,
+  // nesterov only with momentum. Errors: kInvalidArgument naming the field.
+  static Result<Optimizer> create(const config::OptimizerConfig& config);
+
+  config::OptimizerType type() const noexcept { return config_.type; }
+  const config::OptimizerConfig& config() const noexcept { return config_; }
+  double learning_rate() const noexcept { return config_.learning_rate; }
+
+  // Errors: kInvalidArgument unless lr > 0 and finite; the rate is unchanged then.
+  Status set_learning_rate(double lr);
+
+  // Number of state vectors per chunk (see OptimizerState::slots).
+  std::size_t num_slots() const noexcept;
+
+  // Fresh state for a chunk of `num_elements` (allocates the slots).
+  OptimizerState make_state(std::size_t num_elements) const;
+
+  // Checks that `state` fits this optimizer and a chunk of `num_elements`
+  // (slot count and sizes): a restored checkpoint may come from another
+  // optimizer type. Errors: kCorrupt naming what differs.
+  Status check_state(const OptimizerState& state, std::size_t num_elements) const;
+
+  // One update: params and state move from step t-1 to t. `grad` is read
+  // only. pre: params.size() == grad.size(), state fits (make_state or
+  // check_state). No allocation.
+  void apply(std::span<float> params, std::span<const float> grad, OptimizerState& state) const;
+
+ private:
+  explicit Optimizer(const config::OptimizerConfig& config) : config_(config) {}
+  config::OptimizerConfig config_;
+};
+
+}  // namespace ember::server

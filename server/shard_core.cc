@@ -1,0 +1,512 @@
+// The shard state machine; semantics in shard_core.h.
+#include "server/shard_core.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "common/base/check.h"
+#include "common/placement/placement.h"
+
+namespace ember::server {
+
+std::size_t ShardCore::EntryIdHash::operator()(const EntryId& id) const noexcept {
+  return static_cast<std::size_t>(placement::chunk_hash(id.key, id.chunk));
+}
+
+ShardCore::ShardCore(CoreOptions options, Optimizer optimizer)
+    : options_(std::move(options)),
+      optimizer_(std::move(optimizer)),
+      membership_(options_.num_workers, options_.loss_policy, options_.worker_timeout) {}
+
+std::string ShardCore::entry_name(const EntryId& id) const {
+  return fmt::format("key {} chunk {} on {}", id.key, id.chunk, options_.name);
+}
+
+ShardCore::Entry* ShardCore::find(const Request& request, ReplySink& sink) {
+  const proto::Header& h = request.header;
+  auto it = entries_.find(EntryId{h.key, h.chunk_index});
+  if (it == entries_.end()) {
+    sink.error(request.to, h,
+               Error(ErrorCode::kNotFound,
+                     fmt::format("{} is not registered; call init for the key first",
+                                 entry_name(EntryId{h.key, h.chunk_index}))));
+    return nullptr;
+  }
+  return it->second.get();
+}
+
+Status ShardCore::check_layout(const Entry& e, const proto::Header& h) const {
+  if (h.dtype != e.dtype || h.num_chunks != e.num_chunks || h.offset_elements != e.offset_elements ||
+      h.num_elements != e.params.size()) {
+    return make_error(ErrorCode::kShapeMismatch,
+                      "{} holds {} elements of {} at offset {} of {} chunk(s); the {} carries {} "
+                      "elements of {} at offset {} of {} chunk(s)",
+                      entry_name(e.id), e.params.size(), proto::dtype_name(e.dtype),
+                      e.offset_elements, e.num_chunks, proto::msg_type_name(h.type),
+                      h.num_elements, proto::dtype_name(h.dtype), h.offset_elements, h.num_chunks);
+  }
+  return ok_status();
+}
+
+std::uint64_t ShardCore::resume_step(const Entry& e, std::uint32_t rank) const {
+  return options_.consistency == proto::Consistency::kBsp ? e.version : e.clocks[rank];
+}
+
+void ShardCore::reply_params(const Entry& e, const Request& request, ReplySink& sink) {
+  proto::Header r = proto::reply_header(request.header);
+  r.dtype = e.dtype;
+  r.num_elements = e.params.size();
+  r.step = resume_step(e, request.header.worker_rank);
+  sink.reply(request.to, r, e.params);
+}
+
+void ShardCore::reply_init(const Entry& e, const Request& request,
+                           std::span<const std::uint64_t> shape, ReplySink& sink) {
+  const proto::Header& h = request.header;
+  Status layout = check_layout(e, h);
+  if (layout && !std::equal(shape.begin(), shape.end(), e.shape.begin(), e.shape.end())) {
+    layout = make_error(ErrorCode::kShapeMismatch,
+                        "{} was registered with shape [{}]; this init asks for [{}]",
+                        entry_name(e.id), fmt::join(e.shape, ", "), fmt::join(shape, ", "));
+  }
+  if (!layout) {
+    sink.error(request.to, h, layout.error());
+    return;
+  }
+  proto::Header r = proto::reply_header(h);
+  r.step = resume_step(e, h.worker_rank);
+  sink.reply(request.to, r, {});
+}
+
+void ShardCore::on_init(const Request& request, std::span<const std::uint64_t> shape,
+                        Payload values, TimePoint /*now*/, ReplySink& sink) {
+  const proto::Header& h = request.header;
+  EMBER_CHECK_MSG(h.worker_rank < options_.num_workers, "rank {} of {}", h.worker_rank,
+                  options_.num_workers);
+  const EntryId id{h.key, h.chunk_index};
+  if (h.dtype != proto::DType::kFloat32) {
+    sink.error(request.to, h,
+               Error(ErrorCode::kInvalidArgument,
+                     fmt::format("{}: dtype {} is not supported by the store yet; use float32",
+                                 entry_name(id), proto::dtype_name(h.dtype))));
+    return;
+  }
+  if (auto it = entries_.find(id); it != entries_.end()) {
+    reply_init(*it->second, request, shape, sink);
+    return;
+  }
+  if (h.worker_rank != 0) {
+    if (membership_.failed(0)) {
+      sink.error(request.to, h, membership_.failure_error(0, "init of " + entry_name(id)));
+      return;
+    }
+    Parked p{request, 0, WaitKind::kInit};
+    auto& pending = pending_inits_[id];
+    pending.waiting.push_back(std::move(p));
+    pending.shapes.emplace_back(shape.begin(), shape.end());
+    return;
+  }
+  if (values.empty() && h.num_elements != 0) {
+    sink.error(request.to, h,
+               Error(ErrorCode::kInvalidArgument,
+                     fmt::format("init of {} from rank 0 carries no values; rank 0 provides the "
+                                 "initial values, other ranks wait for them",
+                                 entry_name(id))));
+    return;
+  }
+  auto e = std::make_unique<Entry>();
+  e->id = id;
+  e->num_chunks = h.num_chunks;
+  e->offset_elements = h.offset_elements;
+  e->dtype = h.dtype;
+  e->shape.assign(shape.begin(), shape.end());
+  // The one copy of init: the store owns its parameters.
+  e->params.assign(values.values().begin(), values.values().end());
+  e->optimizer = optimizer_.make_state(e->params.size());
+  e->clocks.assign(options_.num_workers, 0);
+  if (options_.consistency == proto::Consistency::kBsp && options_.num_workers > 1) {
+    e->sum.assign(e->params.size(), 0.0f);
+  }
+  Entry& entry = *e;
+  entries_.emplace(id, std::move(e));
+  reply_init(entry, request, shape, sink);
+  if (auto it = pending_inits_.find(id); it != pending_inits_.end()) {
+    PendingInit pending = std::move(it->second);
+    pending_inits_.erase(it);
+    for (std::size_t i = 0; i < pending.waiting.size(); ++i) {
+      reply_init(entry, pending.waiting[i].request, pending.shapes[i], sink);
+    }
+  }
+}
+
+ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, Payload gradient,
+                                              ReplySink& sink) {
+  const proto::Header& h = request.header;
+  const std::uint32_t rank = h.worker_rank;
+  EMBER_CHECK_MSG(rank < options_.num_workers, "rank {} of {}", rank, options_.num_workers);
+  const std::uint64_t t = h.step;
+  if (t < e.clocks[rank]) {
+    ++pushes_duplicate_;
+    return PushOutcome::kDuplicate;
+  }
+  if (options_.consistency != proto::Consistency::kBsp) {
+    optimizer_.apply(e.params, gradient.values(), e.optimizer);
+    gradient.reset();
+    ++e.version;
+    e.clocks[rank] = t + 1;
+    ++pushes_applied_;
+    ++rounds_completed_;
+    return PushOutcome::kRecorded;
+  }
+  if (t < e.version) {
+    sink.error(request.to, h,
+               Error(ErrorCode::kStale,
+                     fmt::format("push of step {} for {} from rank {} arrived after that round "
+                                 "closed (now at step {}); pull to catch up",
+                                 t, entry_name(e.id), rank, e.version)));
+    return PushOutcome::kRefused;
+  }
+  if (t - e.version > options_.max_steps_ahead) {
+    sink.error(request.to, h,
+               Error(ErrorCode::kInvalidArgument,
+                     fmt::format("push of step {} for {} from rank {} is more than {} steps past "
+                                 "the open round {}; pull before pushing further steps",
+                                 t, entry_name(e.id), rank, options_.max_steps_ahead, e.version)));
+    return PushOutcome::kRefused;
+  }
+  Round& round = e.rounds[t];
+  if (round.pushed.empty()) {
+    round.pushed.assign(options_.num_workers, 0);
+    round.held.resize(options_.num_workers);
+  }
+  round.held[rank] = std::move(gradient);
+  round.pushed[rank] = 1;
+  ++round.num_contributions;
+  e.clocks[rank] = t + 1;
+  if (t == e.version) fold_ready(e);
+  return PushOutcome::kRecorded;
+}
+
+void ShardCore::fold_ready(Entry& e) {
+  // One worker: the single contribution is applied straight from its buffer.
+  if (options_.num_workers == 1 || e.rounds.empty()) return;
+  auto it = e.rounds.begin();
+  if (it->first != e.version) return;
+  Round& round = it->second;
+  const std::size_t n = e.params.size();
+  while (e.next_fold < options_.num_workers && round.pushed[e.next_fold]) {
+    const std::span<const float> v = round.held[e.next_fold].values();
+    if (e.num_folded == 0) {
+      if (n != 0) std::memcpy(e.sum.data(), v.data(), n * sizeof(float));
+    } else {
+      float* s = e.sum.data();
+      for (std::size_t i = 0; i < n; ++i) s[i] += v[i];
+    }
+    round.held[e.next_fold].reset();
+    ++e.num_folded;
+    ++e.next_fold;
+  }
+}
+
+bool ShardCore::round_complete(const Entry& e) const {
+  if (e.rounds.empty()) return false;
+  auto it = e.rounds.begin();
+  if (it->first != e.version) return false;
+  const Round& round = it->second;
+  if (round.num_contributions == 0) return false;
+  for (std::uint32_t r = 0; r < options_.num_workers; ++r) {
+    if (!round.pushed[r] && !membership_.excluded(r)) return false;
+  }
+  return true;
+}
+
+void ShardCore::complete_rounds(Entry& e) {
+  while (round_complete(e)) {
+    auto it = e.rounds.begin();
+    Round& round = it->second;
+    const std::size_t n = e.params.size();
+    std::span<const float> grad;
+    if (e.num_folded == 0 && round.num_contributions == 1) {
+      for (std::uint32_t r = 0; r < options_.num_workers; ++r) {
+        if (round.pushed[r]) grad = round.held[r].values();
+      }
+    } else {
+      if (e.sum.size() != n) e.sum.assign(n, 0.0f);
+      // Rank order: ranks below next_fold are in; fold the rest ascending.
+      for (std::uint32_t r = e.next_fold; r < options_.num_workers; ++r) {
+        if (!round.pushed[r]) continue;
+        const std::span<const float> v = round.held[r].values();
+        if (e.num_folded == 0) {
+          if (n != 0) std::memcpy(e.sum.data(), v.data(), n * sizeof(float));
+        } else {
+          float* s = e.sum.data();
+          for (std::size_t i = 0; i < n; ++i) s[i] += v[i];
+        }
+        round.held[r].reset();
+        ++e.num_folded;
+      }
+      if (e.num_folded > 1) {
+        const float count = static_cast<float>(e.num_folded);
+        float* s = e.sum.data();
+        for (std::size_t i = 0; i < n; ++i) s[i] /= count;
+      }
+      grad = e.sum;
+    }
+    optimizer_.apply(e.params, grad, e.optimizer);
+    pushes_applied_ += round.num_contributions;
+    ++rounds_completed_;
+    ++e.version;
+    e.rounds.erase(it);
+    e.next_fold = 0;
+    e.num_folded = 0;
+    fold_ready(e);
+  }
+}
+
+bool ShardCore::ready(const Entry& e, const Parked& p) const {
+  switch (options_.consistency) {
+    case proto::Consistency::kBsp:
+      return p.want <= e.version;
+    case proto::Consistency::kAsp:
+      return true;
+    case proto::Consistency::kSsp:
+      for (std::uint32_t r = 0; r < options_.num_workers; ++r) {
+        if (membership_.excluded(r)) continue;
+        if (e.clocks[r] + options_.staleness < p.want) return false;
+      }
+      return true;
+  }
+  return true;
+}
+
+std::optional<std::uint32_t> ShardCore::blocking_failed_rank(const Entry& e, const Parked& p) const {
+  switch (options_.consistency) {
+    case proto::Consistency::kBsp: {
+      const Round* round = nullptr;
+      if (!e.rounds.empty() && e.rounds.begin()->first == e.version) round = &e.rounds.begin()->second;
+      for (std::uint32_t r = 0; r < options_.num_workers; ++r) {
+        const bool pushed = round != nullptr && round->pushed[r];
+        if (!pushed && membership_.failed(r)) return r;
+      }
+      return std::nullopt;
+    }
+    case proto::Consistency::kAsp:
+      return std::nullopt;
+    case proto::Consistency::kSsp:
+      for (std::uint32_t r = 0; r < options_.num_workers; ++r) {
+        if (membership_.failed(r) && e.clocks[r] + options_.staleness < p.want) return r;
+      }
+      return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+void ShardCore::park_or_answer(Entry& e, Parked parked, ReplySink& sink) {
+  if (ready(e, parked)) {
+    reply_params(e, parked.request, sink);
+  } else if (auto r = blocking_failed_rank(e, parked)) {
+    sink.error(parked.request.to, parked.request.header,
+               membership_.failure_error(*r, fmt::format("{} of step {} for {}",
+                                                         proto::msg_type_name(parked.request.header.type),
+                                                         parked.want, entry_name(e.id))));
+  } else {
+    e.parked.push_back(std::move(parked));
+  }
+}
+
+void ShardCore::serve_parked(Entry& e, ReplySink& sink) {
+  if (e.parked.empty()) return;
+  std::vector<Parked> keep;
+  for (Parked& p : e.parked) {
+    if (ready(e, p)) {
+      reply_params(e, p.request, sink);
+    } else if (auto r = blocking_failed_rank(e, p)) {
+      sink.error(p.request.to, p.request.header,
+                 membership_.failure_error(*r, fmt::format("{} of step {} for {}",
+                                                           proto::msg_type_name(p.request.header.type),
+                                                           p.want, entry_name(e.id))));
+    } else {
+      keep.push_back(std::move(p));
+    }
+  }
+  e.parked = std::move(keep);
+}
+
+void ShardCore::on_push(const Request& request, Payload gradient, TimePoint /*now*/,
+                        ReplySink& sink) {
+  Entry* e = find(request, sink);
+  if (e == nullptr) return;
+  if (Status s = check_layout(*e, request.header); !s) {
+    sink.error(request.to, request.header, s.error());
+    return;
+  }
+  const PushOutcome outcome = record_push(*e, request, std::move(gradient), sink);
+  if (outcome == PushOutcome::kRefused) return;
+  if (outcome == PushOutcome::kRecorded) complete_rounds(*e);
+  proto::Header r = proto::reply_header(request.header);
+  sink.reply(request.to, r, {});
+  if (outcome == PushOutcome::kRecorded) serve_parked(*e, sink);
+}
+
+void ShardCore::on_pull(const Request& request, TimePoint /*now*/, ReplySink& sink) {
+  Entry* e = find(request, sink);
+  if (e == nullptr) return;
+  if (Status s = check_layout(*e, request.header); !s) {
+    sink.error(request.to, request.header, s.error());
+    return;
+  }
+  park_or_answer(*e, Parked{request, request.header.step, WaitKind::kPull}, sink);
+}
+
+void ShardCore::on_push_pull(const Request& request, Payload gradient, TimePoint /*now*/,
+                             ReplySink& sink) {
+  Entry* e = find(request, sink);
+  if (e == nullptr) return;
+  if (Status s = check_layout(*e, request.header); !s) {
+    sink.error(request.to, request.header, s.error());
+    return;
+  }
+  const PushOutcome outcome = record_push(*e, request, std::move(gradient), sink);
+  if (outcome == PushOutcome::kRefused) return;
+  if (outcome == PushOutcome::kRecorded) complete_rounds(*e);
+  serve_parked(*e, sink);
+  park_or_answer(*e, Parked{request, request.header.step + 1, WaitKind::kPushPull}, sink);
+}
+
+void ShardCore::serve_all(ReplySink& sink) {
+  for (auto& [id, e] : entries_) {
+    complete_rounds(*e);
+    serve_parked(*e, sink);
+  }
+  if (membership_.failed(0)) {
+    for (auto& [id, pending] : pending_inits_) {
+      for (const Parked& p : pending.waiting) {
+        sink.error(p.request.to, p.request.header,
+                   membership_.failure_error(0, "init of " + entry_name(id)));
+      }
+    }
+    pending_inits_.clear();
+  }
+}
+
+void ShardCore::on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink) {
+  if (rank >= options_.num_workers) return;
+  if (membership_.lost(rank, now)) serve_all(sink);
+}
+
+void ShardCore::on_worker_back(std::uint32_t rank, TimePoint /*now*/, ReplySink& /*sink*/) {
+  if (rank >= options_.num_workers) return;
+  membership_.back(rank);
+}
+
+void ShardCore::on_tick(TimePoint now, ReplySink& sink) {
+  if (membership_.tick(now)) serve_all(sink);
+}
+
+void ShardCore::drop_connection(std::uint64_t connection_id) {
+  auto gone = [&](const Parked& p) { return p.request.to.connection_id == connection_id; };
+  for (auto& [id, e] : entries_) std::erase_if(e->parked, gone);
+  for (auto it = pending_inits_.begin(); it != pending_inits_.end();) {
+    PendingInit& pending = it->second;
+    for (std::size_t i = pending.waiting.size(); i-- > 0;) {
+      if (gone(pending.waiting[i])) {
+        pending.waiting.erase(pending.waiting.begin() + static_cast<std::ptrdiff_t>(i));
+        pending.shapes.erase(pending.shapes.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    }
+    it = pending.waiting.empty() ? pending_inits_.erase(it) : std::next(it);
+  }
+}
+
+std::vector<EntrySnapshot> ShardCore::snapshot() const {
+  std::vector<const Entry*> sorted;
+  sorted.reserve(entries_.size());
+  for (const auto& [id, e] : entries_) sorted.push_back(e.get());
+  std::sort(sorted.begin(), sorted.end(), [](const Entry* a, const Entry* b) { return a->id < b->id; });
+  std::vector<EntrySnapshot> out;
+  out.reserve(sorted.size());
+  for (const Entry* e : sorted) {
+    EntrySnapshot s;
+    s.key = e->id.key;
+    s.chunk_index = e->id.chunk;
+    s.num_chunks = e->num_chunks;
+    s.offset_elements = e->offset_elements;
+    s.dtype = e->dtype;
+    s.shape = e->shape;
+    s.version = e->version;
+    s.clocks = e->clocks;
+    if (options_.consistency == proto::Consistency::kBsp) {
+      for (auto& c : s.clocks) c = std::min(c, e->version);
+    }
+    s.params = e->params;
+    s.optimizer = e->optimizer;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+Status ShardCore::restore(EntrySnapshot s) {
+  const EntryId id{s.key, s.chunk_index};
+  if (entries_.contains(id)) {
+    return make_error(ErrorCode::kInvalidArgument, "restore: {} exists already", entry_name(id));
+  }
+  if (s.dtype != proto::DType::kFloat32) {
+    return make_error(ErrorCode::kCorrupt, "restore: {} has dtype {}; the store holds float32",
+                      entry_name(id), proto::dtype_name(s.dtype));
+  }
+  std::uint64_t total = 1;
+  for (std::uint64_t d : s.shape) {
+    if (d != 0 && total > proto::kMaxElements / d) {
+      return make_error(ErrorCode::kCorrupt, "restore: {} has an oversized shape", entry_name(id));
+    }
+    total *= d;
+  }
+  if (s.num_chunks == 0 || s.chunk_index >= s.num_chunks || s.offset_elements > total ||
+      s.params.size() > total - s.offset_elements) {
+    return make_error(ErrorCode::kCorrupt,
+                      "restore: {} chunk [{}, +{}) does not fit its shape of {} elements",
+                      entry_name(id), s.offset_elements, s.params.size(), total);
+  }
+  if (Status st = optimizer_.check_state(s.optimizer, s.params.size()); !st) {
+    Error err = st.error();
+    err.with_context(fmt::format("restore: {}", entry_name(id)));
+    return tl::unexpected(err);
+  }
+  auto e = std::make_unique<Entry>();
+  e->id = id;
+  e->num_chunks = s.num_chunks;
+  e->offset_elements = s.offset_elements;
+  e->dtype = s.dtype;
+  e->shape = std::move(s.shape);
+  e->params = std::move(s.params);
+  e->optimizer = std::move(s.optimizer);
+  e->version = s.version;
+  e->clocks = std::move(s.clocks);
+  // A job restarted with another worker count: new ranks start at the version.
+  e->clocks.resize(options_.num_workers,
+                   options_.consistency == proto::Consistency::kBsp ? s.version : 0);
+  if (options_.consistency == proto::Consistency::kBsp && options_.num_workers > 1) {
+    e->sum.assign(e->params.size(), 0.0f);
+  }
+  entries_.emplace(id, std::move(e));
+  return ok_status();
+}
+
+CoreStats ShardCore::stats() const {
+  CoreStats s;
+  s.num_entries = entries_.size();
+  for (const auto& [id, e] : entries_) {
+    s.param_bytes += e->params.size() * sizeof(float);
+    s.parked_requests += e->parked.size();
+  }
+  for (const auto& [id, pending] : pending_inits_) s.parked_requests += pending.waiting.size();
+  s.pushes_applied = pushes_applied_;
+  s.pushes_duplicate = pushes_duplicate_;
+  s.rounds_completed = rounds_completed_;
+  return s;
+}
+
+}  // namespace ember::server

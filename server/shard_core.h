@@ -1,0 +1,258 @@
+// ShardCore: the parameter store and consistency engine of one shard, as a
+// pure, thread-free state machine. The shard thread (server/shard.h) feeds it
+// decoded requests and worker events and forwards what it emits to the
+// transport; tests drive it directly.
+//
+// Store. An entry is one chunk of a tensor, named (key, chunk_index), with
+// the tensor's shape and dtype, its place in the tensor (offset and count of
+// elements), float32 parameters, optimizer state and a version. `init`
+// creates an entry from worker rank 0's values; other ranks' inits wait for
+// it. A second init with the same shape, dtype and chunk layout is a no-op;
+// with a different one it is ErrorCode::kShapeMismatch.
+//
+// Consistency (per server, from config):
+//  bsp  Pushes of step t are collected per rank. When every required rank
+//       (all ranks but those excluded by the shrink policy) has pushed step
+//       t, their sum in ascending rank order, divided by the number of
+//       contributions, goes to the optimizer once, and the version becomes
+//       t + 1. A pull for step t waits until version >= t. The fixed order
+//       makes a run bit-for-bit deterministic whatever the arrival order.
+//       Contributions are folded into the running sum as soon as every lower
+//       rank's is in, so memory is held only for out-of-order arrivals.
+//  asp  Every push is applied on arrival, as is (not averaged); pulls never wait.
+//  ssp  Pushes are applied on arrival; a pull for step t waits until every
+//       required rank has pushed step t - s - 1 (its clock, the number of
+//       steps it pushed, is >= t - s): no worker runs more than s steps
+//       ahead of the slowest (Ho et al., "More Effective Distributed ML via a
+//       Stale Synchronous Parallel Parameter Server", NIPS 2013).
+//
+// Exactly once. Each entry remembers, per rank, the next step it expects
+// (its clock). A push whose step is below it was received before (a re-send
+// after a reconnect): it is acknowledged and not applied again. Steps must
+// therefore increase per rank and key. A bsp push for a step whose round is
+// over that was never received is ErrorCode::kStale.
+//
+// Resume step. Replies to init, pull and push_pull carry the step the worker
+// should compute next: the version under bsp, the rank's own clock under
+// asp/ssp. A restarted worker uses it to rejoin.
+//
+// Worker loss: see membership.h. Requests waiting on a failed rank are
+// answered with kWorkerLost; under shrink, rounds complete without the lost
+// rank.
+//
+// Replies are emitted synchronously through a ReplySink while the core is
+// inside the call that made them, so a pull's parameters are the ones of
+// that moment.
+//
+// Thread-safety: none; one thread owns a ShardCore. Allocation: entry
+// creation and round bookkeeping allocate; the steady-state push/pull path
+// allocates only when a contribution arrives out of rank order (a vector
+// slot is reused otherwise).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/base/error.h"
+#include "common/proto/message.h"
+#include "server/membership.h"
+#include "server/optimizer.h"
+#include "server/payload.h"
+
+namespace ember::server {
+
+// Where a reply goes: the connection and channel the request came on.
+// Opaque to the core.
+struct ReplyTo {
+  std::uint64_t connection_id = 0;
+  std::uint32_t channel = 0;
+  bool operator==(const ReplyTo&) const = default;
+};
+
+struct Request {
+  ReplyTo to;
+  proto::Header header;  // as decoded; rank already checked < num_workers
+};
+
+// Receives the core's replies. Called synchronously from inside ShardCore
+// calls; `values` is valid only during the call (the sender copies it into
+// its send buffer).
+class ReplySink {
+ public:
+  virtual ~ReplySink() = default;
+  // A successful reply; `reply` is complete (type, ids, step, dtype and
+  // num_elements set when values flow).
+  virtual void reply(const ReplyTo& to, const proto::Header& reply,
+                     std::span<const float> values) = 0;
+  // An error reply to `request`.
+  virtual void error(const ReplyTo& to, const proto::Header& request, const Error& error) = 0;
+};
+
+struct CoreOptions {
+  std::uint32_t num_workers = 1;
+  proto::Consistency consistency = proto::Consistency::kBsp;
+  std::uint64_t staleness = 0;  // ssp bound s
+  proto::LossPolicy loss_policy = proto::LossPolicy::kWait;
+  std::chrono::nanoseconds worker_timeout = std::chrono::seconds(30);
+  // bsp: a push may be for a step at most this far past the open round.
+  std::uint64_t max_steps_ahead = 64;
+  // For messages: "server 0 shard 1".
+  std::string name = "shard";
+};
+
+// One entry as saved in and restored from a checkpoint.
+struct EntrySnapshot {
+  std::uint64_t key = 0;
+  std::uint32_t chunk_index = 0;
+  std::uint32_t num_chunks = 1;
+  std::uint64_t offset_elements = 0;
+  proto::DType dtype = proto::DType::kFloat32;
+  std::vector<std::uint64_t> shape;
+  std::uint64_t version = 0;
+  std::vector<std::uint64_t> clocks;  // per rank: next step expected
+  std::vector<float> params;
+  OptimizerState optimizer;
+
+  bool operator==(const EntrySnapshot&) const = default;
+};
+
+struct CoreStats {
+  std::uint64_t num_entries = 0;
+  std::uint64_t param_bytes = 0;
+  std::uint64_t pushes_applied = 0;     // contributions that reached the optimizer
+  std::uint64_t pushes_duplicate = 0;   // re-sent pushes acknowledged without effect
+  std::uint64_t rounds_completed = 0;   // optimizer applications
+  std::uint64_t parked_requests = 0;    // requests waiting now
+};
+
+class ShardCore {
+ public:
+  ShardCore(CoreOptions options, Optimizer optimizer);
+  ShardCore(const ShardCore&) = delete;
+  ShardCore& operator=(const ShardCore&) = delete;
+
+  // kInit. `shape` is the tensor's; `values` holds the chunk's initial values
+  // (rank 0) or is empty (kFlagNoData). Replies: ok with the resume step, at
+  // once or when rank 0's init arrives. Errors: kShapeMismatch (existing
+  // entry differs), kInvalidArgument (dtype other than float32, rank 0 init
+  // without values), kWorkerLost (waiting for a failed rank 0).
+  void on_init(const Request& request, std::span<const std::uint64_t> shape, Payload values,
+               TimePoint now, ReplySink& sink);
+
+  // kPush: ok at once (recorded or duplicate). Errors: kNotFound (no such
+  // entry), kShapeMismatch (layout or dtype differs), kStale (bsp round
+  // over), kInvalidArgument (step too far ahead).
+  void on_push(const Request& request, Payload gradient, TimePoint now, ReplySink& sink);
+
+  // kPull: the parameters, at once or when the step's condition holds.
+  // Errors: kNotFound, kShapeMismatch, kWorkerLost.
+  void on_pull(const Request& request, TimePoint now, ReplySink& sink);
+
+  // kPushPull: a push of step t, then the parameters for step t + 1 (one
+  // reply). Errors: those of on_push and on_pull.
+  void on_push_pull(const Request& request, Payload gradient, TimePoint now, ReplySink& sink);
+
+  // Worker events and time. May complete or fail waiting requests.
+  void on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink);
+  void on_worker_back(std::uint32_t rank, TimePoint now, ReplySink& sink);
+  void on_tick(TimePoint now, ReplySink& sink);
+  std::optional<TimePoint> next_deadline() const { return membership_.next_deadline(); }
+
+  // Forgets requests waiting on behalf of a closed connection.
+  void drop_connection(std::uint64_t connection_id);
+
+  // Errors: kInvalidArgument (see Optimizer::set_learning_rate).
+  Status set_learning_rate(double lr) { return optimizer_.set_learning_rate(lr); }
+  double learning_rate() const noexcept { return optimizer_.learning_rate(); }
+
+  // Copies every entry (sorted by key, chunk) for a checkpoint. Under bsp a
+  // rank's clock is capped at the version: contributions to an open round
+  // are not saved, so their re-sends must be accepted after a restore.
+  std::vector<EntrySnapshot> snapshot() const;
+  // Adds a restored entry. Errors: kCorrupt (sizes inconsistent, optimizer
+  // state of another type, rank count differs), kInvalidArgument (entry exists).
+  Status restore(EntrySnapshot snapshot);
+
+  CoreStats stats() const;
+  const CoreOptions& options() const noexcept { return options_; }
+
+ private:
+  struct EntryId {
+    std::uint64_t key;
+    std::uint32_t chunk;
+    bool operator==(const EntryId&) const = default;
+    bool operator<(const EntryId& o) const { return key != o.key ? key < o.key : chunk < o.chunk; }
+  };
+  struct EntryIdHash {
+    std::size_t operator()(const EntryId& id) const noexcept;
+  };
+  enum class WaitKind : std::uint8_t { kPull, kPushPull, kInit };
+  struct Parked {
+    Request request;
+    std::uint64_t want = 0;  // step the reply must reach
+    WaitKind kind = WaitKind::kPull;
+  };
+  struct Round {
+    std::vector<Payload> held;          // per rank, until folded
+    std::vector<std::uint8_t> pushed;   // per rank
+    std::uint32_t num_contributions = 0;
+  };
+  struct Entry {
+    EntryId id{};
+    std::uint32_t num_chunks = 1;
+    std::uint64_t offset_elements = 0;
+    proto::DType dtype = proto::DType::kFloat32;
+    std::vector<std::uint64_t> shape;
+    std::vector<float> params;
+    OptimizerState optimizer;
+    std::uint64_t version = 0;
+    std::vector<std::uint64_t> clocks;
+    // bsp
+    std::map<std::uint64_t, Round> rounds;  // by step; begin() is `version` when present
+    std::vector<float> sum;                 // running sum of the open round
+    std::uint32_t next_fold = 0;            // ranks below it are folded into `sum`
+    std::uint32_t num_folded = 0;
+    std::vector<Parked> parked;
+  };
+  struct PendingInit {
+    std::vector<Parked> waiting;
+    std::vector<std::vector<std::uint64_t>> shapes;  // per waiting init
+  };
+
+  Entry* find(const Request& request, ReplySink& sink);
+  Status check_layout(const Entry& e, const proto::Header& h) const;
+  std::uint64_t resume_step(const Entry& e, std::uint32_t rank) const;
+  void reply_params(const Entry& e, const Request& request, ReplySink& sink);
+  void reply_init(const Entry& e, const Request& request, std::span<const std::uint64_t> shape,
+                  ReplySink& sink);
+  // Records a push; returns false (and replied with an error) when refused.
+  enum class PushOutcome : std::uint8_t { kRecorded, kDuplicate, kRefused };
+  PushOutcome record_push(Entry& e, const Request& request, Payload gradient, ReplySink& sink);
+  void fold_ready(Entry& e);
+  bool round_complete(const Entry& e) const;
+  void complete_rounds(Entry& e);
+  bool ready(const Entry& e, const Parked& p) const;
+  std::optional<std::uint32_t> blocking_failed_rank(const Entry& e, const Parked& p) const;
+  void park_or_answer(Entry& e, Parked parked, ReplySink& sink);
+  void serve_parked(Entry& e, ReplySink& sink);
+  void serve_all(ReplySink& sink);
+  std::string entry_name(const EntryId& id) const;
+
+  CoreOptions options_;
+  Optimizer optimizer_;
+  Membership membership_;
+  std::unordered_map<EntryId, std::unique_ptr<Entry>, EntryIdHash> entries_;
+  std::map<EntryId, PendingInit> pending_inits_;
+  std::uint64_t pushes_applied_ = 0;
+  std::uint64_t pushes_duplicate_ = 0;
+  std::uint64_t rounds_completed_ = 0;
+};
+
+}  // namespace ember::server

@@ -1,0 +1,541 @@
+// ShardCore: store semantics, BSP/ASP/SSP, exactly-once pushes, worker loss,
+// snapshots. Driven directly with a recording sink; no threads, no sockets.
+#include "server/shard_core.h"
+
+#include <algorithm>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "server/barrier_core.h"
+
+namespace ember::server {
+namespace {
+
+using proto::Header;
+using proto::MsgType;
+
+struct Sent {
+  ReplyTo to;
+  Header header;
+  std::vector<float> values;
+  bool is_error = false;
+  Error error;
+};
+
+class RecordingSink : public ReplySink {
+ public:
+  void reply(const ReplyTo& to, const Header& reply, std::span<const float> values) override {
+    sent.push_back(Sent{to, reply, {values.begin(), values.end()}, false, {}});
+  }
+  void error(const ReplyTo& to, const Header& request, const Error& error) override {
+    sent.push_back(Sent{to, request, {}, true, error});
+  }
+  std::vector<Sent> take() { return std::exchange(sent, {}); }
+  std::vector<Sent> sent;
+};
+
+const TimePoint kT0{};
+
+Optimizer sgd(double lr = 1.0) {
+  config::OptimizerConfig c;
+  c.type = config::OptimizerType::kSgd;
+  c.learning_rate = lr;
+  return *Optimizer::create(c);
+}
+
+CoreOptions opts(std::uint32_t workers, proto::Consistency c = proto::Consistency::kBsp,
+                 proto::LossPolicy loss = proto::LossPolicy::kWait) {
+  CoreOptions o;
+  o.num_workers = workers;
+  o.consistency = c;
+  o.loss_policy = loss;
+  o.worker_timeout = std::chrono::seconds(5);
+  o.name = "test shard";
+  return o;
+}
+
+Request req(MsgType type, std::uint32_t rank, std::uint64_t key, std::uint64_t step,
+            std::uint64_t n, std::uint64_t conn = 0) {
+  Request r;
+  r.to = ReplyTo{conn == 0 ? rank + 100u : conn, 0};
+  r.header.type = type;
+  r.header.dtype = proto::DType::kFloat32;
+  r.header.worker_rank = rank;
+  r.header.key = key;
+  r.header.step = step;
+  r.header.num_elements = n;
+  r.header.request_id = step * 1000 + rank;
+  return r;
+}
+
+class ShardCoreTest : public ::testing::Test {
+ protected:
+  void make(CoreOptions o, Optimizer opt = sgd()) { core = std::make_unique<ShardCore>(o, opt); }
+  void init(std::uint64_t key, std::vector<float> v) {
+    const std::uint64_t shape[] = {v.size()};
+    core->on_init(req(MsgType::kInit, 0, key, 0, v.size()), shape, Payload::of(v), kT0, sink);
+    auto s = sink.take();
+    ASSERT_EQ(s.size(), 1u);
+    ASSERT_FALSE(s[0].is_error) << s[0].error.to_string();
+  }
+  void push(std::uint32_t rank, std::uint64_t key, std::uint64_t step, std::vector<float> g) {
+    core->on_push(req(MsgType::kPush, rank, key, step, g.size()), Payload::of(g), kT0, sink);
+  }
+  void pull(std::uint32_t rank, std::uint64_t key, std::uint64_t step, std::uint64_t n) {
+    core->on_pull(req(MsgType::kPull, rank, key, step, n), kT0, sink);
+  }
+  std::vector<float> params(std::uint64_t key, std::uint64_t n) {
+    pull(0, key, 0, n);
+    auto s = sink.take();
+    EXPECT_EQ(s.size(), 1u);
+    return s.empty() ? std::vector<float>{} : s.back().values;
+  }
+
+  std::unique_ptr<ShardCore> core;
+  RecordingSink sink;
+};
+
+TEST_F(ShardCoreTest, InitWithSameShapeIsNoOpAndKeepsValues) {
+  make(opts(1));
+  init(7, {1, 2, 3});
+  const std::uint64_t shape[] = {3};
+  core->on_init(req(MsgType::kInit, 0, 7, 0, 3), shape, Payload::of(std::vector<float>{9, 9, 9}),
+                kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_FALSE(s[0].is_error);
+  EXPECT_EQ(params(7, 3), (std::vector<float>{1, 2, 3}));
+}
+
+TEST_F(ShardCoreTest, InitWithDifferentShapeIsShapeMismatch) {
+  make(opts(1));
+  init(7, {1, 2, 3, 4});
+  const std::uint64_t shape[] = {2, 2};
+  core->on_init(req(MsgType::kInit, 0, 7, 0, 4), shape, Payload::of(std::vector<float>{1, 2, 3, 4}),
+                kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  ASSERT_TRUE(s[0].is_error);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kShapeMismatch);
+  EXPECT_NE(s[0].error.message().find("[4]"), std::string::npos) << s[0].error.message();
+}
+
+TEST_F(ShardCoreTest, OtherRanksInitWaitsForRankZero) {
+  make(opts(2));
+  const std::uint64_t shape[] = {2};
+  auto r1 = req(MsgType::kInit, 1, 5, 0, 2);
+  r1.header.flags = proto::kFlagNoData;
+  core->on_init(r1, shape, Payload{}, kT0, sink);
+  EXPECT_TRUE(sink.take().empty());
+  EXPECT_EQ(core->stats().parked_requests, 1u);
+  core->on_init(req(MsgType::kInit, 0, 5, 0, 2), shape, Payload::of(std::vector<float>{1, 2}), kT0,
+                sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);  // rank 0, then the waiting rank 1
+  EXPECT_FALSE(s[0].is_error);
+  EXPECT_FALSE(s[1].is_error);
+  EXPECT_EQ(s[1].to.connection_id, 101u);
+  EXPECT_EQ(core->stats().parked_requests, 0u);
+}
+
+TEST_F(ShardCoreTest, WaitingInitWithOtherShapeFailsWhenRankZeroArrives) {
+  make(opts(2));
+  const std::uint64_t shape3[] = {3};
+  auto r1 = req(MsgType::kInit, 1, 5, 0, 3);
+  core->on_init(r1, shape3, Payload{}, kT0, sink);
+  const std::uint64_t shape2[] = {2};
+  core->on_init(req(MsgType::kInit, 0, 5, 0, 2), shape2, Payload::of(std::vector<float>{1, 2}), kT0,
+                sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_FALSE(s[0].is_error);
+  EXPECT_TRUE(s[1].is_error);
+  EXPECT_EQ(s[1].error.code(), ErrorCode::kShapeMismatch);
+}
+
+TEST_F(ShardCoreTest, NonFloat32InitIsRefused) {
+  make(opts(1));
+  auto r = req(MsgType::kInit, 0, 1, 0, 1);
+  r.header.dtype = proto::DType::kFloat16;
+  const std::uint64_t shape[] = {1};
+  core->on_init(r, shape, Payload::of(std::vector<float>{1}), kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kInvalidArgument);
+}
+
+TEST_F(ShardCoreTest, UnknownKeyIsNotFound) {
+  make(opts(1));
+  push(0, 99, 0, {1});
+  pull(0, 99, 0, 1);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  for (auto& x : s) {
+    EXPECT_TRUE(x.is_error);
+    EXPECT_EQ(x.error.code(), ErrorCode::kNotFound);
+    EXPECT_NE(x.error.message().find("key 99"), std::string::npos);
+  }
+}
+
+TEST_F(ShardCoreTest, WrongElementCountIsShapeMismatch) {
+  make(opts(1));
+  init(1, {1, 2});
+  push(0, 1, 0, {1, 2, 3});
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kShapeMismatch);
+}
+
+TEST_F(ShardCoreTest, BspPullWaitsForEveryWorkerThenAveragesOnce) {
+  make(opts(2));
+  init(1, {1, 1});
+  push(0, 1, 0, {0.5f, 1.0f});
+  pull(0, 1, 1, 2);  // parks
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);  // only the push ack
+  EXPECT_FALSE(s[0].is_error);
+  push(1, 1, 0, {1.5f, 3.0f});
+  s = sink.take();
+  ASSERT_EQ(s.size(), 2u);  // rank 1's ack, then the parked pull
+  EXPECT_EQ(s[0].header.type, MsgType::kPush);
+  EXPECT_EQ(s[1].header.type, MsgType::kPull);
+  EXPECT_EQ(s[1].header.step, 1u);
+  EXPECT_EQ(s[1].values, (std::vector<float>{1 - 1.0f, 1 - 2.0f}));
+  EXPECT_EQ(core->stats().rounds_completed, 1u);
+}
+
+// Bit-for-bit: any arrival order gives the parameters of summing in rank order.
+TEST_F(ShardCoreTest, BspResultIsIndependentOfArrivalOrder) {
+  const std::uint32_t workers = 4;
+  const std::size_t n = 64;
+  const std::uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<std::vector<std::vector<float>>> grads(3);  // [step][rank][i]
+  for (auto& step : grads) {
+    step.resize(workers);
+    for (auto& g : step) {
+      g.resize(n);
+      for (auto& x : g) x = dist(rng);
+    }
+  }
+  std::vector<float> init_values(n);
+  for (auto& x : init_values) x = dist(rng);
+  // Expected: ((g0 + g1) + g2) + g3, divided by 4, SGD lr 0.1.
+  std::vector<float> expect = init_values;
+  for (auto& step : grads) {
+    for (std::size_t i = 0; i < n; ++i) {
+      float s = step[0][i];
+      for (std::uint32_t r = 1; r < workers; ++r) s += step[r][i];
+      s /= 4.0f;
+      expect[i] -= 0.1f * s;
+    }
+  }
+  for (int trial = 0; trial < 10; ++trial) {
+    make(opts(workers), sgd(0.1));
+    init(3, init_values);
+    for (std::uint64_t t = 0; t < grads.size(); ++t) {
+      std::vector<std::uint32_t> order{0, 1, 2, 3};
+      std::shuffle(order.begin(), order.end(), rng);
+      for (auto r : order) push(r, 3, t, grads[t][r]);
+    }
+    sink.take();
+    EXPECT_EQ(params(3, n), expect) << "seed " << seed << " trial " << trial;
+  }
+}
+
+TEST_F(ShardCoreTest, DuplicatePushIsAcknowledgedAndAppliedOnce) {
+  make(opts(1));
+  init(1, {10});
+  push(0, 1, 0, {1});
+  push(0, 1, 0, {1});  // re-send
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_FALSE(s[0].is_error);
+  EXPECT_FALSE(s[1].is_error);
+  EXPECT_EQ(params(1, 1), std::vector<float>{9});
+  EXPECT_EQ(core->stats().pushes_duplicate, 1u);
+  EXPECT_EQ(core->stats().pushes_applied, 1u);
+}
+
+TEST_F(ShardCoreTest, BspDuplicateIntoOpenRoundIsNotCountedTwice) {
+  make(opts(2));
+  init(1, {10});
+  push(0, 1, 0, {1});
+  push(0, 1, 0, {1});
+  pull(0, 1, 1, 1);
+  EXPECT_EQ(sink.take().size(), 2u);  // two acks, pull parked
+  push(1, 1, 0, {3});
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_EQ(s[1].values, std::vector<float>{8});  // 10 - (1 + 3) / 2
+}
+
+TEST_F(ShardCoreTest, BspPushForClosedRoundIsStale) {
+  make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  init(1, {10});
+  push(0, 1, 0, {1});
+  core->on_worker_lost(1, kT0, sink);  // round 0 completes without rank 1
+  sink.take();
+  core->on_worker_back(1, kT0, sink);
+  push(1, 1, 0, {1});
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  ASSERT_TRUE(s[0].is_error);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kStale);
+}
+
+TEST_F(ShardCoreTest, BspPushTooFarAheadIsRefused) {
+  auto o = opts(2);
+  o.max_steps_ahead = 4;
+  make(o);
+  init(1, {0});
+  push(0, 1, 5, {1});
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kInvalidArgument);
+}
+
+TEST_F(ShardCoreTest, BspFutureRoundsCompleteInOrder) {
+  make(opts(2));
+  init(1, {0});
+  push(0, 1, 0, {2});
+  push(0, 1, 1, {4});  // rank 0 runs ahead without pulling: round 1 opens early
+  EXPECT_EQ(core->stats().rounds_completed, 0u);
+  push(1, 1, 0, {2});
+  EXPECT_EQ(core->stats().rounds_completed, 1u);
+  push(1, 1, 1, {4});
+  EXPECT_EQ(core->stats().rounds_completed, 2u);
+  sink.take();
+  EXPECT_EQ(params(1, 1), std::vector<float>{-6});
+}
+
+TEST_F(ShardCoreTest, PushPullRepliesWithNextStepParameters) {
+  make(opts(2));
+  init(1, {0});
+  core->on_push_pull(req(MsgType::kPushPull, 0, 1, 0, 1), Payload::of(std::vector<float>{2}), kT0,
+                     sink);
+  EXPECT_TRUE(sink.take().empty());
+  core->on_push_pull(req(MsgType::kPushPull, 1, 1, 0, 1), Payload::of(std::vector<float>{4}), kT0,
+                     sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  for (auto& x : s) {
+    EXPECT_EQ(x.values, std::vector<float>{-3});
+    EXPECT_EQ(x.header.step, 1u);
+  }
+}
+
+TEST_F(ShardCoreTest, AspAppliesEveryPushOnArrivalExactlyOnce) {
+  make(opts(2, proto::Consistency::kAsp));
+  init(1, {0});
+  push(0, 1, 0, {1});
+  push(1, 1, 0, {2});
+  push(0, 1, 1, {3});
+  push(0, 1, 1, {3});  // duplicate
+  pull(1, 1, 100, 1);  // never waits
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 5u);
+  EXPECT_EQ(s[4].values, std::vector<float>{-6});
+  EXPECT_EQ(s[4].header.step, 1u);  // rank 1's own clock
+  EXPECT_EQ(core->stats().pushes_applied, 3u);
+}
+
+TEST_F(ShardCoreTest, SspPullWaitsWhenAheadOfSlowestByMoreThanBound) {
+  auto o = opts(2, proto::Consistency::kSsp);
+  o.staleness = 1;
+  make(o);
+  init(1, {0});
+  // Rank 0 pushes steps 0 and 1; rank 1 nothing. Pull for step 1 needs all
+  // clocks >= 0: fine. Pull for step 2 needs clocks >= 1: waits for rank 1.
+  push(0, 1, 0, {1});
+  pull(0, 1, 1, 1);
+  push(0, 1, 1, {1});
+  pull(0, 1, 2, 1);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 3u);  // ack, pull, ack; the second pull waits
+  EXPECT_EQ(core->stats().parked_requests, 1u);
+  push(1, 1, 0, {1});
+  s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_EQ(s[1].header.type, MsgType::kPull);
+  EXPECT_EQ(s[1].values, std::vector<float>{-3});
+}
+
+TEST_F(ShardCoreTest, WaitPolicyFailsWaitersOnlyAfterTimeout) {
+  make(opts(2));
+  init(1, {0});
+  push(0, 1, 0, {1});
+  pull(0, 1, 1, 1);
+  sink.take();
+  core->on_worker_lost(1, kT0, sink);
+  EXPECT_TRUE(sink.take().empty());
+  ASSERT_TRUE(core->next_deadline());
+  EXPECT_EQ(*core->next_deadline(), kT0 + std::chrono::seconds(5));
+  core->on_tick(kT0 + std::chrono::seconds(4), sink);
+  EXPECT_TRUE(sink.take().empty());
+  core->on_tick(kT0 + std::chrono::seconds(5), sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  ASSERT_TRUE(s[0].is_error);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+  EXPECT_NE(s[0].error.message().find("worker 1"), std::string::npos);
+}
+
+TEST_F(ShardCoreTest, WaitPolicyContinuesWhenTheWorkerReturns) {
+  make(opts(2));
+  init(1, {0});
+  push(0, 1, 0, {1});
+  pull(0, 1, 1, 1);
+  sink.take();
+  core->on_worker_lost(1, kT0, sink);
+  core->on_worker_back(1, kT0 + std::chrono::seconds(1), sink);
+  core->on_tick(kT0 + std::chrono::seconds(10), sink);
+  EXPECT_TRUE(sink.take().empty());
+  push(1, 1, 0, {3});
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_EQ(s[1].values, std::vector<float>{-2});
+}
+
+TEST_F(ShardCoreTest, ShrinkPolicyCompletesWithRemainingWorkers) {
+  make(opts(3, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  init(1, {0});
+  push(0, 1, 0, {3});
+  push(2, 1, 0, {5});
+  pull(0, 1, 1, 1);
+  sink.take();
+  core->on_worker_lost(1, kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].values, std::vector<float>{-4});  // (3 + 5) / 2
+  // Next rounds need only ranks 0 and 2.
+  push(0, 1, 1, {1});
+  push(2, 1, 1, {1});
+  EXPECT_EQ(core->stats().rounds_completed, 2u);
+}
+
+TEST_F(ShardCoreTest, FailPolicyAnswersWaitersAtOnce) {
+  make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kFail));
+  init(1, {0});
+  push(0, 1, 0, {1});
+  pull(0, 1, 1, 1);
+  sink.take();
+  core->on_worker_lost(1, kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+  // A new pull that would wait for the failed rank fails at once too.
+  pull(0, 1, 1, 1);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+  // Rejoin: rank 1 comes back, pulls (resume step 0), pushes step 0.
+  core->on_worker_back(1, kT0, sink);
+  pull(1, 1, 0, 1);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].header.step, 0u);
+  push(1, 1, 0, {3});
+  EXPECT_EQ(core->stats().rounds_completed, 1u);
+}
+
+TEST_F(ShardCoreTest, RankZeroLossFailsWaitingInits) {
+  make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kFail));
+  const std::uint64_t shape[] = {1};
+  core->on_init(req(MsgType::kInit, 1, 4, 0, 1), shape, Payload{}, kT0, sink);
+  core->on_worker_lost(0, kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+}
+
+TEST_F(ShardCoreTest, DropConnectionForgetsItsWaiters) {
+  make(opts(2));
+  init(1, {0});
+  core->on_pull(req(MsgType::kPull, 0, 1, 1, 1, 555), kT0, sink);
+  EXPECT_EQ(core->stats().parked_requests, 1u);
+  core->drop_connection(555);
+  EXPECT_EQ(core->stats().parked_requests, 0u);
+  push(0, 1, 0, {1});
+  push(1, 1, 0, {1});
+  auto s = sink.take();
+  EXPECT_EQ(s.size(), 2u);  // acks only
+}
+
+TEST_F(ShardCoreTest, SnapshotRestoreRoundTripsAndCapsOpenRoundClocks) {
+  config::OptimizerConfig c;
+  c.type = config::OptimizerType::kAdam;
+  c.learning_rate = 0.1;
+  make(opts(2), *Optimizer::create(c));
+  init(1, {1, 2});
+  push(0, 1, 0, {1, 1});
+  push(1, 1, 0, {1, 1});
+  push(0, 1, 1, {1, 1});  // open round 1: rank 0's clock is 2
+  auto snap = core->snapshot();
+  ASSERT_EQ(snap.size(), 1u);
+  EXPECT_EQ(snap[0].version, 1u);
+  EXPECT_EQ(snap[0].clocks, (std::vector<std::uint64_t>{1, 1}));
+  EXPECT_EQ(snap[0].optimizer.num_updates, 1u);
+
+  ShardCore restored(opts(2), *Optimizer::create(c));
+  ASSERT_TRUE(restored.restore(snap[0]));
+  EXPECT_EQ(restored.snapshot(), snap);
+  EXPECT_FALSE(restored.restore(snap[0]));  // exists
+  // After restore, rank 0's re-sent push of step 1 is accepted (not a duplicate).
+  restored.on_push(req(MsgType::kPush, 0, 1, 1, 2), Payload::of(std::vector<float>{1, 1}), kT0, sink);
+  restored.on_push(req(MsgType::kPush, 1, 1, 1, 2), Payload::of(std::vector<float>{1, 1}), kT0, sink);
+  EXPECT_EQ(restored.stats().rounds_completed, 1u);
+}
+
+TEST_F(ShardCoreTest, RestoreRefusesStateOfAnotherOptimizer) {
+  make(opts(1));
+  init(1, {1, 2});
+  auto snap = core->snapshot();
+  config::OptimizerConfig c;
+  c.type = config::OptimizerType::kAdam;
+  ShardCore other(opts(1), *Optimizer::create(c));
+  auto st = other.restore(snap[0]);
+  ASSERT_FALSE(st);
+  EXPECT_EQ(st.error().code(), ErrorCode::kCorrupt);
+}
+
+// --- barrier ---
+
+TEST(BarrierCore, ReleasesEveryoneWhenAllArrive) {
+  BarrierCore b(3, proto::LossPolicy::kWait, std::chrono::seconds(1));
+  RecordingSink sink;
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
+  b.on_barrier(req(MsgType::kBarrier, 2, 0, 0, 0), kT0, sink);
+  b.on_barrier(req(MsgType::kBarrier, 2, 0, 0, 0), kT0, sink);  // re-send replaces
+  EXPECT_TRUE(sink.sent.empty());
+  EXPECT_EQ(b.num_waiting(), 2u);
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 3u);
+  for (auto& s : sink.sent) EXPECT_EQ(s.header.step, 0u);
+  EXPECT_EQ(b.generation(), 1u);
+}
+
+TEST(BarrierCore, ShrinkReleasesWithoutLostRank) {
+  BarrierCore b(2, proto::LossPolicy::kShrink, std::chrono::seconds(1));
+  RecordingSink sink;
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
+  b.on_worker_lost(1, kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 1u);
+  EXPECT_FALSE(sink.sent[0].is_error);
+}
+
+TEST(BarrierCore, WaitTimesOutWithWorkerLost) {
+  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1));
+  RecordingSink sink;
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
+  b.on_worker_lost(1, kT0, sink);
+  EXPECT_TRUE(sink.sent.empty());
+  b.on_tick(kT0 + std::chrono::seconds(1), sink);
+  ASSERT_EQ(sink.sent.size(), 1u);
+  EXPECT_EQ(sink.sent[0].error.code(), ErrorCode::kWorkerLost);
+}
+
+}  // namespace
+}  // namespace ember::server
