@@ -1,0 +1,23 @@
+// Transport::create: validates the options and builds the chosen transport.
+#include "common/transport/tcp/tcp_transport.h"
+#include "common/transport/transport.h"
+
+namespace ember::transport {
+
+Result<std::unique_ptr<Transport>> Transport::create(Options options) {
+  EMBER_TRY(options.validate());
+  switch (options.kind) {
+    case Kind::kTcp:
+      return tcp::create_tcp_transport(std::move(options));
+    case Kind::kShm:
+      return make_error(ErrorCode::kUnavailable, "shm: being written");
+    case Kind::kRdma:
+      return make_error(ErrorCode::kUnavailable,
+                        "transport = \"rdma\" is not available in this build (the rdma transport "
+                        "is not implemented yet); use \"tcp\", or \"shm\" for a same-host peer");
+  }
+  return make_error(ErrorCode::kInvalidArgument, "unknown transport kind {}",
+                    static_cast<int>(options.kind));
+}
+
+}  // namespace ember::transport
