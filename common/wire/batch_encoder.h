@@ -130,7 +130,7 @@ class BatchEncoder {
 
   std::size_t threshold_;
   std::size_t expected_items_;
-  std::vector<ItemEntryWire> entries_;  // capacity max_items_in(threshold_), never grows
+  std::vector<ItemEntryWire> entries_;  // max_items_in(threshold_) slots; area-relative offsets
 
   std::span<std::byte> out_;
   std::size_t limit_ = 0;
