@@ -1,4 +1,5 @@
 // Transport::create: validates the options and builds the chosen transport.
+#include "common/transport/shm/shm_transport.h"
 #include "common/transport/tcp/tcp_transport.h"
 #include "common/transport/transport.h"
 
@@ -10,7 +11,7 @@ Result<std::unique_ptr<Transport>> Transport::create(Options options) {
     case Kind::kTcp:
       return tcp::create_tcp_transport(std::move(options));
     case Kind::kShm:
-      return make_error(ErrorCode::kUnavailable, "shm: being written");
+      return shm::create_shm_transport(std::move(options));
     case Kind::kRdma:
       return make_error(ErrorCode::kUnavailable,
                         "transport = \"rdma\" is not available in this build (the rdma transport "

@@ -100,9 +100,8 @@ TEST_P(TransportTest, EverySizeArrivesIntactAndInOrderPerChannel) {
     }
   }
   // Every large Buffer was released by the transport after sending.
-  EXPECT_TRUE(testing::wait_until(server_in.mu, server_in.cv, 10s, [&] {
-    return server_mem.live() == 0 && client_mem.live() == 0;
-  }));
+  EXPECT_TRUE(server_mem.wait_all_released());
+  EXPECT_TRUE(client_mem.wait_all_released());
 
   (*conn)->close();
   ASSERT_TRUE(client_in.wait_closed());
@@ -169,7 +168,8 @@ TEST_P(TransportTest, ManySmallMessagesKeepOrderFromConcurrentSenders) {
 
 INSTANTIATE_TEST_SUITE_P(All, TransportTest,
                          ::testing::Values(Mode{"tcp_writev", Kind::kTcp, ZeroCopy::kWritev},
-                                           Mode{"tcp_sendfile", Kind::kTcp, ZeroCopy::kSendfile}),
+                                           Mode{"tcp_sendfile", Kind::kTcp, ZeroCopy::kSendfile},
+                                           Mode{"shm", Kind::kShm, ZeroCopy::kWritev}),
                          [](const auto& p) { return std::string(p.param.name); });
 
 }  // namespace

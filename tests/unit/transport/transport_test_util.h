@@ -95,17 +95,25 @@ class MemfdRegion {
     next_ += aligned;
     live_.fetch_add(1);
     struct Owner {
-      std::atomic<int>* live;
-      Owner(std::atomic<int>* l) : live(l) {}
-      Owner(Owner&& o) noexcept : live(o.live) { o.live = nullptr; }
+      MemfdRegion* region;
+      explicit Owner(MemfdRegion* r) : region(r) {}
+      Owner(Owner&& o) noexcept : region(o.region) { o.region = nullptr; }
       ~Owner() {
-        if (live) live->fetch_sub(1);
+        if (region == nullptr) return;
+        std::lock_guard lock(region->live_mu_);
+        region->live_.fetch_sub(1);
+        region->live_cv_.notify_all();
       }
     };
     return Buffer::adopt(std::span<std::byte>(base_ + off, size),
-                         MemoryLocation{fd_, off, region_id_}, Owner(&live_));
+                         MemoryLocation{fd_, off, region_id_}, Owner(this));
   }
   int live() const { return live_.load(); }
+  // Waits until every Buffer made here was released.
+  bool wait_all_released(std::chrono::milliseconds timeout = 10s) {
+    std::unique_lock lock(live_mu_);
+    return live_cv_.wait_for(lock, timeout, [&] { return live_.load() == 0; });
+  }
 
  private:
   std::size_t bytes_;
@@ -115,6 +123,8 @@ class MemfdRegion {
   std::mutex mu_;
   std::size_t next_ = 0;
   std::atomic<int> live_{0};
+  std::mutex live_mu_;
+  std::condition_variable live_cv_;
 };
 
 // Waits for `pred` (evaluated under `mu`) with a deadline.

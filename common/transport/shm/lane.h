@@ -1,0 +1,153 @@
+// A lane: one direction of one shm channel, a single-producer single-consumer
+// ring of fixed-size slots in a memfd that both processes map.
+//
+// Segment layout (all integers little-endian, host order; same host only):
+//   [0, 128)         LaneConfig: magic, version, slot_bytes, num_slots, credits
+//   [128, 256)       head: slots published by the producer (u64, producer writes)
+//   [256, 384)       tail: slots consumed by the consumer (u64, consumer writes)
+//   [384, 512)       consumer_sleeping (u32): the consumer of this lane is, or is
+//                    about to be, asleep on its doorbell eventfd
+//   [512, 640)       producer_waiting (u32): the producer waits for a free slot
+//                    or a released token; the consumer rings the producer's
+//                    doorbell after freeing one
+//   [640, 768)       release_head: tokens released (u64, the consumer writes)
+//   [768, 896)       release_tail: tokens reclaimed (u64, the producer writes)
+//   [896, 896 + 8 credits)      release ring: u64 tokens, index = position % credits
+//   [align 4096 ...) num_slots slots of slot_bytes each
+// Every position is a 64-bit counter that never wraps in practice; index =
+// position % count (counts are powers of two). Each hot field sits on its own
+// 128-byte pair of cache lines (kFalseSharingBytes).
+//
+// Slot layout: a 64-byte SlotHeader, then the slot's body:
+//   kind 1 (batch):    body = one common/wire batch frame of header.frame_bytes,
+//                      starting at body offset header.frame_offset
+//   kind 2 (large):    no body; the payload is [offset, offset + length) of the
+//                      producer's registered region header.region_id, lent
+//                      until the consumer puts header.token on the release ring
+//   kind 3 (fragment): body = header.frame_bytes bytes of a message of
+//                      header.length bytes, at message offset header.offset
+//                      (a large message from unregistered memory, copied
+//                      through the ring in order; fragments of one message
+//                      are consecutive on the lane)
+//
+// Memory ordering: the producer fills a slot, then stores head with release;
+// the consumer loads head with acquire before reading slots, and stores tail
+// with release after it is done with them (the producer loads tail with
+// acquire before reusing a slot). The release ring works the same way with
+// roles swapped. The sleeping/waiting flags follow the Dekker protocol of
+// common/ring/parker.h (seq_cst store, seq_cst fence, re-check).
+//
+// Trust: a lane's peer is a process of the same user (the listener checks
+// SO_PEERCRED), but it may crash at any point or be buggy, so every value
+// read from shared memory is range-checked before use (positions, kinds,
+// offsets, lengths, tokens) and frames are verified by wire::decode_frame.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "common/base/constants.h"
+#include "common/base/error.h"
+
+namespace ember::transport::shm {
+
+inline constexpr std::uint32_t kLaneMagic = 0x4C424D45u;  // "EMBL"
+inline constexpr std::uint32_t kLaneVersion = 1;
+inline constexpr std::size_t kSlotHeaderBytes = 64;
+
+enum class SlotKind : std::uint32_t { kBatch = 1, kLarge = 2, kFragment = 3 };
+
+struct SlotHeader {
+  std::uint32_t kind;          // SlotKind
+  std::uint32_t frame_offset;  // batch: frame start in the body
+  std::uint32_t frame_bytes;   // batch: frame length; fragment: bytes in this slot
+  std::uint32_t region_id;     // large: producer's region
+  std::uint64_t offset;        // large: byte offset in the region; fragment: offset in message
+  std::uint64_t length;        // large / fragment: message length in bytes
+  std::uint64_t token;         // large: returned on the release ring
+  std::uint8_t reserved[24];
+};
+static_assert(sizeof(SlotHeader) == kSlotHeaderBytes);
+
+struct alignas(kFalseSharingBytes) PaddedU64 {
+  std::atomic<std::uint64_t> value{0};
+};
+struct alignas(kFalseSharingBytes) PaddedU32 {
+  std::atomic<std::uint32_t> value{0};
+};
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+              "shm lanes need lock-free 64-bit atomics (shared between processes)");
+
+struct alignas(kFalseSharingBytes) LaneConfig {
+  std::uint32_t magic;
+  std::uint32_t version;
+  std::uint32_t slot_bytes;
+  std::uint32_t num_slots;
+  std::uint32_t credits;
+};
+
+struct LaneControl {
+  LaneConfig config;
+  PaddedU64 head;
+  PaddedU64 tail;
+  PaddedU32 consumer_sleeping;
+  PaddedU32 producer_waiting;
+  PaddedU64 release_head;
+  PaddedU64 release_tail;
+  // std::atomic<std::uint64_t> release_ring[credits] follows.
+};
+static_assert(sizeof(LaneControl) == 7 * kFalseSharingBytes);
+
+// Geometry of a lane; both sides compute it from the config values.
+struct LaneGeometry {
+  std::uint32_t slot_bytes = 0;
+  std::uint32_t num_slots = 0;
+  std::uint32_t credits = 0;
+  std::size_t slots_offset() const noexcept {
+    const std::size_t ctrl = sizeof(LaneControl) + 8 * std::size_t{credits};
+    return (ctrl + kSmallPageBytes - 1) / kSmallPageBytes * kSmallPageBytes;
+  }
+  std::size_t total_bytes() const noexcept {
+    const std::size_t t = slots_offset() + std::size_t{slot_bytes} * num_slots;
+    return (t + kSmallPageBytes - 1) / kSmallPageBytes * kSmallPageBytes;
+  }
+};
+
+// A mapped lane (either end). Owns the mapping; not the fd.
+class Lane {
+ public:
+  Lane() = default;
+  // Creates a memfd of the geometry's size, maps it and writes the config.
+  // Returns the lane and the memfd (caller owns it). Errors: kIo.
+  static Result<Lane> create(const LaneGeometry& geometry, int* fd_out);
+  // Maps a peer's lane and checks its config against `expected`.
+  // Errors: kIo (fstat/mmap), kProtocol (size, magic, version or geometry differ).
+  static Result<Lane> attach(int fd, const LaneGeometry& expected);
+
+  Lane(Lane&& other) noexcept { *this = std::move(other); }
+  Lane& operator=(Lane&& other) noexcept;
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+  ~Lane();
+
+  LaneControl& control() const noexcept { return *reinterpret_cast<LaneControl*>(base_); }
+  std::atomic<std::uint64_t>& release_slot(std::uint64_t position) const noexcept {
+    auto* ring = reinterpret_cast<std::atomic<std::uint64_t>*>(base_ + sizeof(LaneControl));
+    return ring[position & (geometry_.credits - 1)];
+  }
+  std::byte* slot(std::uint64_t position) const noexcept {
+    return base_ + geometry_.slots_offset() +
+           std::size_t{geometry_.slot_bytes} * (position & (geometry_.num_slots - 1));
+  }
+  const LaneGeometry& geometry() const noexcept { return geometry_; }
+  std::size_t body_bytes() const noexcept { return geometry_.slot_bytes - kSlotHeaderBytes; }
+  bool mapped() const noexcept { return base_ != nullptr; }
+
+ private:
+  std::byte* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  LaneGeometry geometry_;
+};
+
+}  // namespace ember::transport::shm
