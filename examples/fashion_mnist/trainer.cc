@@ -1,0 +1,226 @@
+// The training loop (see trainer.h).
+#include "examples/fashion_mnist/trainer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "common/base/check.h"
+
+namespace ember::fashion_mnist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_between(Clock::time_point begin, Clock::time_point end) {
+  return std::chrono::duration<double>(end - begin).count();
+}
+
+Status check_dataset(const Mlp& model, const Dataset& data, std::string_view which) {
+  if (data.num_features() != model.num_inputs()) {
+    return make_error(ErrorCode::kShapeMismatch,
+                      "trainer: {} samples have {} features ({}x{}) but the model takes {} inputs",
+                      which, data.num_features(), data.image_rows, data.image_cols,
+                      model.num_inputs());
+  }
+  const auto bad = std::find_if(data.labels.begin(), data.labels.end(), [&](std::uint8_t l) {
+    return l >= model.num_outputs();
+  });
+  if (bad != data.labels.end()) {
+    return make_error(ErrorCode::kShapeMismatch,
+                      "trainer: {} label {} at index {} is not below the model's {} outputs", which,
+                      *bad, bad - data.labels.begin(), model.num_outputs());
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+Status LocalExchange::start(std::span<const Parameter> params) {
+  (void)params;
+  return ok_status();
+}
+
+Status LocalExchange::gradients_ready(std::uint64_t step, std::size_t layer,
+                                      std::span<const Parameter> layer_params) {
+  (void)step;
+  (void)layer;
+  for (const Parameter& p : layer_params) EMBER_TRY(optimizer_->step(p.key, p.value, p.grad));
+  return ok_status();
+}
+
+Status LocalExchange::finish_step(std::uint64_t step) {
+  (void)step;
+  return ok_status();
+}
+
+Result<Trainer> Trainer::create(const TrainerOptions& options, Mlp& model, const Dataset& train,
+                                const Dataset& test, GradientExchange& exchange) {
+  if (!model.bound()) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "trainer: the model has no parameter buffers; call Mlp::bind first");
+  }
+  if (options.epochs == 0) {
+    return make_error(ErrorCode::kInvalidArgument, "trainer: epochs must be > 0");
+  }
+  if (options.eval_batch_size == 0) {
+    return make_error(ErrorCode::kInvalidArgument, "trainer: eval_batch_size must be > 0");
+  }
+  if (model.max_batch_size() < required_max_batch_size(options)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "trainer: the model was created for batches of up to {} samples; batch_size "
+                      "{} and eval_batch_size {} need {} (see required_max_batch_size)",
+                      model.max_batch_size(), options.batch_size, options.eval_batch_size,
+                      required_max_batch_size(options));
+  }
+  EMBER_TRY(check_dataset(model, train, "training"));
+  EMBER_TRY(check_dataset(model, test, "test"));
+  ShardOptions shard;
+  shard.num_samples = train.num_samples;
+  shard.rank = options.rank;
+  shard.num_workers = options.num_workers;
+  shard.batch_size = options.batch_size;
+  shard.seed = options.seed;
+  EMBER_ASSIGN_OR_RETURN(ShardSampler sampler, ShardSampler::create(shard));
+  return Trainer(options, model, train, test, exchange, std::move(sampler));
+}
+
+Trainer::Trainer(const TrainerOptions& options, Mlp& model, const Dataset& train,
+                 const Dataset& test, GradientExchange& exchange, ShardSampler sampler)
+    : options_(options),
+      model_(&model),
+      train_(&train),
+      test_(&test),
+      exchange_(&exchange),
+      sampler_(std::move(sampler)),
+      labels_(required_max_batch_size(options)) {}
+
+std::size_t Trainer::steps_per_epoch() const {
+  const std::size_t full = sampler_.steps_per_epoch();
+  return options_.max_steps_per_epoch == 0 ? full : std::min(full, options_.max_steps_per_epoch);
+}
+
+Status Trainer::start() {
+  EMBER_CHECK_MSG(!started_, "Trainer::start called twice");
+  model_->init_he(options_.seed);
+  if (Status s = exchange_->start(model_->parameters()); !s) {
+    Error e = s.error();
+    e.with_context("starting the gradient exchange");
+    return tl::unexpected<Error>(std::move(e));
+  }
+  started_ = true;
+  return ok_status();
+}
+
+Result<EpochStats> Trainer::run_epoch() {
+  EMBER_CHECK_MSG(started_, "Trainer::run_epoch before start");
+  const std::uint32_t epoch = ++epoch_;
+  EpochStats stats;
+  stats.epoch = epoch;
+  const std::size_t batch = options_.batch_size;
+  const std::size_t steps = steps_per_epoch();
+  sampler_.epoch_indices(epoch, indices_, permutation_);
+
+  double exchange_seconds = 0.0;
+  std::uint64_t current_step = 0;
+  const LayerReadyFn on_layer_ready = [&](std::size_t layer) -> Status {
+    const Clock::time_point t0 = Clock::now();
+    Status s = exchange_->gradients_ready(current_step, layer, model_->layer_parameters(layer));
+    exchange_seconds += seconds_between(t0, Clock::now());
+    return s;
+  };
+  auto step_error = [&](Error e, std::size_t step_in_epoch) {
+    e.with_context(fmt::format("epoch {} step {} (global step {})", epoch, step_in_epoch + 1,
+                               current_step));
+    return tl::unexpected<Error>(std::move(e));
+  };
+
+  double loss_sum = 0.0;
+  std::size_t correct = 0;
+  const Clock::time_point epoch_begin = Clock::now();
+  for (std::size_t s = 0; s < steps; ++s) {
+    current_step = step_;
+    const auto batch_indices = std::span<const std::uint32_t>(indices_).subspan(s * batch, batch);
+    gather_batch(*train_, batch_indices, model_->input(batch), labels_);
+    const ForwardStats forward =
+        model_->forward(batch, std::span<const std::uint8_t>(labels_).first(batch));
+    if (!std::isfinite(forward.loss)) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "training diverged: the loss is {} at epoch {} step {}; lower the learning "
+                        "rate",
+                        forward.loss, epoch, s + 1);
+    }
+    if (Status st = model_->backward(on_layer_ready); !st) return step_error(st.error(), s);
+    const Clock::time_point t0 = Clock::now();
+    Status finished = exchange_->finish_step(current_step);
+    exchange_seconds += seconds_between(t0, Clock::now());
+    if (!finished) return step_error(finished.error(), s);
+    ++step_;
+    loss_sum += forward.loss;
+    correct += forward.correct;
+    if (step_callback_) {
+      step_callback_(StepProgress{epoch, s + 1, steps, forward.loss});
+    }
+  }
+  {
+    const Clock::time_point t0 = Clock::now();
+    Status finished = exchange_->finish_epoch(epoch);
+    exchange_seconds += seconds_between(t0, Clock::now());
+    if (!finished) {
+      Error e = finished.error();
+      e.with_context(fmt::format("finishing epoch {}", epoch));
+      return tl::unexpected<Error>(std::move(e));
+    }
+  }
+  stats.train_seconds = seconds_between(epoch_begin, Clock::now());
+  stats.exchange_seconds = exchange_seconds;
+  stats.steps = steps;
+  stats.samples = steps * batch;
+  stats.train_loss = steps > 0 ? loss_sum / static_cast<double>(steps) : 0.0;
+  stats.train_accuracy =
+      stats.samples > 0 ? static_cast<double>(correct) / static_cast<double>(stats.samples) : 0.0;
+  stats.test = evaluate();
+  return stats;
+}
+
+Result<std::vector<EpochStats>> Trainer::run(
+    const std::function<void(const EpochStats&)>& on_epoch) {
+  if (!started_) EMBER_TRY(start());
+  std::vector<EpochStats> all;
+  while (epoch_ < options_.epochs) {
+    EMBER_ASSIGN_OR_RETURN(EpochStats stats, run_epoch());
+    if (on_epoch) on_epoch(stats);
+    all.push_back(stats);
+  }
+  return all;
+}
+
+EvalStats Trainer::evaluate() {
+  const Clock::time_point begin = Clock::now();
+  std::size_t total = test_->num_samples;
+  if (options_.max_eval_samples != 0) total = std::min(total, options_.max_eval_samples);
+  EvalStats out;
+  double loss_sum = 0.0;
+  std::size_t correct = 0;
+  std::vector<std::uint32_t> batch_indices;
+  batch_indices.reserve(options_.eval_batch_size);
+  for (std::size_t first = 0; first < total; first += options_.eval_batch_size) {
+    const std::size_t count = std::min(options_.eval_batch_size, total - first);
+    batch_indices.resize(count);
+    for (std::size_t j = 0; j < count; ++j) batch_indices[j] = static_cast<std::uint32_t>(first + j);
+    gather_batch(*test_, batch_indices, model_->input(count), labels_);
+    const ForwardStats f =
+        model_->forward(count, std::span<const std::uint8_t>(labels_).first(count));
+    loss_sum += f.loss * static_cast<double>(count);
+    correct += f.correct;
+  }
+  out.samples = total;
+  if (total > 0) {
+    out.loss = loss_sum / static_cast<double>(total);
+    out.accuracy = static_cast<double>(correct) / static_cast<double>(total);
+  }
+  out.seconds = seconds_between(begin, Clock::now());
+  return out;
+}
+
+}  // namespace ember::fashion_mnist

@@ -1,0 +1,198 @@
+// The training loop shared by the single-process baseline (fmnist-baseline)
+// and the distributed worker: data, model and the gradient exchange are kept
+// apart, so that a worker only implements GradientExchange with Ember's
+// client (push each layer's gradient as backward produces it, pull the next
+// parameters) and reuses everything else.
+//
+// One step, on the training thread:
+//   gather this rank's batch (sampler.h) -> Mlp::forward -> Mlp::backward,
+//   which calls exchange.gradients_ready(step, l, W_l/b_l) for the last layer
+//   first, as soon as each layer is done -> exchange.finish_step(step), which
+//   returns when the parameters for the next step are in the value buffers.
+// The time spent inside the exchange calls is the time the training thread
+// is blocked on communication; EpochStats::communication_share() divides it
+// by the step time (the "communication share").
+//
+// Thread-safety: a Trainer and the model, datasets and exchange it borrows
+// are used from one thread (the training thread) only.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "common/base/error.h"
+#include "examples/fashion_mnist/data.h"
+#include "examples/fashion_mnist/mlp.h"
+#include "examples/fashion_mnist/optimizer.h"
+#include "examples/fashion_mnist/sampler.h"
+
+namespace ember::fashion_mnist {
+
+// How a training process exchanges gradients for parameters. Every method is
+// called on the training thread, in this order: start once; then per step
+// gradients_ready once per layer (last layer first) and finish_step once;
+// finish_epoch after an epoch's last step. `step` counts from 0 across
+// epochs and is the same on every rank.
+//
+// Buffer ownership: the Parameter spans are the model's bound buffers,
+// owned by whoever bound them (for a worker: page-pool blocks it allocated).
+class GradientExchange {
+ public:
+  virtual ~GradientExchange() = default;
+
+  // Called once before the first step. `params` (key order) hold the
+  // parameters initialised from the job seed, identical on every rank. On
+  // return the value buffers must hold the parameters this rank starts from
+  // (a worker: rank 0 registers the keys with these values, every rank
+  // pulls). May block. An error stops training.
+  virtual Status start(std::span<const Parameter> params) = 0;
+
+  // Layer `layer`'s gradients for `step` are final (mean over this rank's
+  // batch) and the model has finished reading its values: from now until
+  // finish_step(step) returns, the exchange may read these grad buffers and
+  // overwrite these value buffers (a pull landing in place), e.g. from an
+  // I/O thread. Should enqueue and return rather than wait: backward of the
+  // layers below runs after it returns. An error stops the step and training.
+  virtual Status gradients_ready(std::uint64_t step, std::size_t layer,
+                                 std::span<const Parameter> layer_params) = 0;
+
+  // After backward. Blocks until every value buffer holds the parameters for
+  // step + 1 and no gradient buffer is in use any more (the next backward
+  // overwrites them). An error stops training.
+  virtual Status finish_step(std::uint64_t step) = 0;
+
+  // After the last finish_step of epoch `epoch` (1-based), before the
+  // evaluation (e.g. a barrier). Default: nothing.
+  virtual Status finish_epoch(std::uint32_t epoch) {
+    (void)epoch;
+    return ok_status();
+  }
+};
+
+// The exchange of a single process: applies `optimizer` to each layer's
+// tensors as soon as its gradients are ready, in place (the overlap contract
+// allows that), exactly as a BSP server with one worker would. Its "blocked"
+// time is the optimizer's compute. The optimizer is borrowed.
+class LocalExchange final : public GradientExchange {
+ public:
+  explicit LocalExchange(Optimizer& optimizer) : optimizer_(&optimizer) {}
+  Status start(std::span<const Parameter> params) override;
+  Status gradients_ready(std::uint64_t step, std::size_t layer,
+                         std::span<const Parameter> layer_params) override;
+  Status finish_step(std::uint64_t step) override;
+
+ private:
+  Optimizer* optimizer_;
+};
+
+struct TrainerOptions {
+  std::uint32_t rank = 0;
+  std::uint32_t num_workers = 1;
+  std::size_t batch_size = 64;          // samples per step on this worker
+  std::uint32_t epochs = 3;             // run() trains epochs 1..epochs
+  std::uint64_t seed = 1;               // shared by all ranks: init and shuffle
+  std::size_t max_steps_per_epoch = 0;  // 0: every full step; else at most this many
+  std::size_t eval_batch_size = 1000;   // samples per forward when evaluating
+  std::size_t max_eval_samples = 0;     // 0: the whole test set; else its first this many
+};
+
+// The model must be created with at least this max_batch_size.
+inline std::size_t required_max_batch_size(const TrainerOptions& options) {
+  return options.batch_size > options.eval_batch_size ? options.batch_size
+                                                      : options.eval_batch_size;
+}
+
+struct EvalStats {
+  std::size_t samples = 0;
+  double loss = 0.0;      // mean cross-entropy
+  double accuracy = 0.0;  // fraction correct, in [0, 1]
+  double seconds = 0.0;
+};
+
+struct EpochStats {
+  std::uint32_t epoch = 0;        // 1-based
+  std::size_t steps = 0;
+  std::size_t samples = 0;        // trained on by this worker
+  double train_loss = 0.0;        // mean of the steps' batch losses (before each update)
+  double train_accuracy = 0.0;    // fraction of this epoch's batches classified right
+  double train_seconds = 0.0;     // wall time of the steps and finish_epoch (no evaluation)
+  double exchange_seconds = 0.0;  // of which inside exchange calls (blocked)
+  EvalStats test;                 // after the epoch, on the test set
+
+  double samples_per_second() const { return train_seconds > 0 ? samples / train_seconds : 0.0; }
+  // Blocked time over step time, in [0, 1].
+  double communication_share() const {
+    return train_seconds > 0 ? exchange_seconds / train_seconds : 0.0;
+  }
+};
+
+struct StepProgress {
+  std::uint32_t epoch = 0;          // 1-based
+  std::size_t step_in_epoch = 0;    // steps done in this epoch, 1..steps_in_epoch
+  std::size_t steps_in_epoch = 0;
+  double loss = 0.0;                // of this step's batch
+};
+
+class Trainer {
+ public:
+  // Borrows model, datasets and exchange: they must outlive the Trainer.
+  // Errors: kInvalidArgument when the model is not bound, epochs or
+  // eval_batch_size is 0, the model's max_batch_size is below
+  // required_max_batch_size(options), or the sampler rejects the options
+  // (rank, num_workers, batch_size; see ShardSampler::create);
+  // kShapeMismatch when the model's inputs differ from a dataset's features,
+  // or a label is not below the model's outputs.
+  static Result<Trainer> create(const TrainerOptions& options, Mlp& model, const Dataset& train,
+                                const Dataset& test, GradientExchange& exchange);
+
+  // Called after every step (progress bars). Optional.
+  void set_step_callback(std::function<void(const StepProgress&)> callback) {
+    step_callback_ = std::move(callback);
+  }
+
+  // He-initialises the parameters from the seed and calls exchange.start.
+  // Once, before run_epoch. Errors: the exchange's.
+  Status start();
+
+  // Trains the next epoch (1, 2, ...) and evaluates on the test set.
+  // Errors: the exchange's (with epoch and step as context), and
+  // kInvalidArgument when the loss becomes NaN or infinite (training
+  // diverged: lower the learning rate). pre: start() succeeded.
+  Result<EpochStats> run_epoch();
+
+  // start() if not yet started, then run_epoch() until options.epochs,
+  // calling on_epoch after each. Stops at the first error.
+  Result<std::vector<EpochStats>> run(const std::function<void(const EpochStats&)>& on_epoch = {});
+
+  // Loss and accuracy of the current parameters on the test set (the first
+  // max_eval_samples samples when set). Does not touch gradients.
+  EvalStats evaluate();
+
+  const ShardSampler& sampler() const { return sampler_; }
+  std::size_t steps_per_epoch() const;
+  std::uint64_t steps_done() const { return step_; }
+
+ private:
+  Trainer(const TrainerOptions& options, Mlp& model, const Dataset& train, const Dataset& test,
+          GradientExchange& exchange, ShardSampler sampler);
+
+  TrainerOptions options_;
+  Mlp* model_;
+  const Dataset* train_;
+  const Dataset* test_;
+  GradientExchange* exchange_;
+  ShardSampler sampler_;
+  std::function<void(const StepProgress&)> step_callback_;
+  bool started_ = false;
+  std::uint32_t epoch_ = 0;  // last epoch trained
+  std::uint64_t step_ = 0;   // steps done, all epochs
+  std::vector<std::uint32_t> indices_;
+  std::vector<std::uint32_t> permutation_;
+  std::vector<std::uint8_t> labels_;
+};
+
+}  // namespace ember::fashion_mnist
