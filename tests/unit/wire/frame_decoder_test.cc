@@ -351,7 +351,7 @@ Bytes encode_stream(const std::vector<RefItem>& messages, std::size_t threshold,
         space = enc->try_reserve(m.payload.size());
         EXPECT_TRUE(space);
       }
-      std::memcpy(space->data(), m.payload.data(), m.payload.size());
+      if (!m.payload.empty()) std::memcpy(space->data(), m.payload.data(), m.payload.size());
       enc->commit_reserved(m.payload.size(), m.flags);
     }
     if (rng() % 50 == 0) flush();  // a flush_interval tick
