@@ -4,8 +4,8 @@ function(ember_target_defaults target)
   target_include_directories(${target} PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor
-      -Wcast-align -Wunused -Woverloaded-virtual -Wnull-dereference -Wimplicit-fallthrough
-      -Wno-interference-size>)
+      -Wcast-align -Wunused -Woverloaded-virtual -Wnull-dereference -Wimplicit-fallthrough>
+    $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:GNU>>:-Wno-interference-size>)
   if(EMBER_WERROR)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
   endif()
@@ -64,11 +64,13 @@ function(ember_add_fuzzer name)
     if(ARG_CORPUS)
       set(corpus_args ${PROJECT_SOURCE_DIR}/${ARG_CORPUS})
     endif()
+    set_property(GLOBAL APPEND PROPERTY EMBER_FUZZ_TARGETS ${name})
     add_test(NAME fuzz.${name}
       COMMAND ${name} -max_total_time=${EMBER_FUZZ_SECONDS} -seed=1 -print_final_stats=1 ${corpus_args})
     set_tests_properties(fuzz.${name} PROPERTIES LABELS fuzz TIMEOUT 300)
   else()
     add_executable(${name}_replay ${ARG_SOURCES} ${PROJECT_SOURCE_DIR}/tests/fuzz/replay_main.cc)
+    set_property(GLOBAL APPEND PROPERTY EMBER_FUZZ_TARGETS ${name}_replay)
     ember_target_defaults(${name}_replay)
     target_link_libraries(${name}_replay PRIVATE ${ARG_DEPS})
     set(corpus_args "")

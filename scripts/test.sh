@@ -48,7 +48,7 @@ ctest "${ctest_args[@]}"
 if ((fuzz)) && [[ $preset == dev && -z $label ]]; then
   echo "== libFuzzer targets (clang, fuzz preset)"
   cmake --preset fuzz -DEMBER_WERROR=ON -DEMBER_FUZZ_SECONDS="${EMBER_FUZZ_SECONDS:-15}" >/dev/null
-  cmake --build build/fuzz -j "$jobs"
+  cmake --build build/fuzz -j "$jobs" --target ember_fuzzers
   ctest --test-dir build/fuzz --output-on-failure -L fuzz
 fi
 echo "== test.sh: all passed ($preset)"
