@@ -35,7 +35,8 @@ bool is_keyed(MsgType t) {
          t == MsgType::kPushPull;
 }
 
-// Payload must be exactly num_elements of a tensor dtype.
+// Payload must be exactly num_elements of a tensor dtype (inline), or empty
+// when it follows as the next message.
 Status check_tensor_payload(const Header& h, std::size_t payload_bytes) {
   if (!is_tensor_dtype(h.dtype)) {
     return make_error(ErrorCode::kMalformedFrame, "{}: dtype {} cannot carry tensor data",
@@ -45,7 +46,8 @@ Status check_tensor_payload(const Header& h, std::size_t payload_bytes) {
     return make_error(ErrorCode::kMalformedFrame, "{}: num_elements {} exceeds the limit {}",
                       describe(h), h.num_elements, kMaxElements);
   }
-  const std::uint64_t want = h.num_elements * dtype_bytes(h.dtype);  // no overflow: <= 2^43
+  std::uint64_t want = h.num_elements * dtype_bytes(h.dtype);  // no overflow: <= 2^43
+  if ((h.flags & kFlagPayloadFollows) != 0) want = 0;
   if (payload_bytes != want) {
     return make_error(ErrorCode::kMalformedFrame,
                       "{}: payload is {} bytes but {} elements of {} need {}", describe(h),
@@ -88,6 +90,14 @@ Status check_request(const MessageView& m) {
   }
   if ((h.flags & kFlagNoData) != 0 && h.type != MsgType::kInit) {
     return make_error(ErrorCode::kMalformedFrame, "{}: no-data flag outside init", describe(h));
+  }
+  if ((h.flags & kFlagPayloadFollows) != 0) {
+    const bool data_request = h.type == MsgType::kPush || h.type == MsgType::kPushPull ||
+                              (h.type == MsgType::kInit && (h.flags & kFlagNoData) == 0);
+    if (!data_request) {
+      return make_error(ErrorCode::kMalformedFrame,
+                        "{}: payload-follows flag on a message without tensor data", describe(h));
+    }
   }
   if (is_keyed(h.type)) EMBER_TRY(check_chunk_fields(h));
   switch (h.type) {
@@ -147,9 +157,9 @@ Status check_request(const MessageView& m) {
 Status check_reply(const MessageView& m) {
   const Header& h = m.header;
   const std::size_t n = m.payload.size();
-  if (h.ndim != 0 || (h.flags & kFlagNoData) != 0) {
-    return make_error(ErrorCode::kMalformedFrame, "{}: reply with a shape or no-data flag",
-                      describe(h));
+  if (h.ndim != 0 || (h.flags & (kFlagNoData | kFlagPayloadFollows)) != 0) {
+    return make_error(ErrorCode::kMalformedFrame,
+                      "{}: reply with a shape, a no-data or a payload-follows flag", describe(h));
   }
   if (h.status != ErrorCode::kOk) {
     if (h.dtype != DType::kNone) {

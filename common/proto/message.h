@@ -87,7 +87,12 @@ constexpr bool is_tensor_dtype(DType dtype) noexcept {
 // Flag bits (WireHeader::flags).
 inline constexpr std::uint8_t kFlagReply = 0x01;   // a reply to request `request_id`
 inline constexpr std::uint8_t kFlagNoData = 0x02;  // init without values: wait for rank 0's
-inline constexpr std::uint8_t kKnownFlags = kFlagReply | kFlagNoData;
+// Requests with tensor data (init, push, push_pull) only: the payload is not
+// inline but is the next message on the same channel, exactly
+// num_elements * dtype bytes long. Lets a worker send a chunk straight from
+// its buffer (a transport Buffer over the chunk) without a header in front.
+inline constexpr std::uint8_t kFlagPayloadFollows = 0x04;
+inline constexpr std::uint8_t kKnownFlags = kFlagReply | kFlagNoData | kFlagPayloadFollows;
 
 // The header as the program sees it (host byte order, typed fields).
 struct Header {
@@ -202,6 +207,12 @@ struct MessageView {
 // length, error text <= kMaxErrorTextBytes, status kOk in requests).
 // Errors: kMalformedFrame naming the field and its value; kVersionMismatch.
 [[nodiscard]] Result<MessageView> decode(std::span<const std::byte> bytes);
+
+// Bytes of tensor data the message carries (num_elements * dtype bytes),
+// inline or following. Meaningful for a decoded message.
+constexpr std::uint64_t tensor_bytes(const Header& header) noexcept {
+  return header.num_elements * dtype_bytes(header.dtype);
+}
 
 // Bytes that encode_prefix writes: 64 + 8 * header.ndim.
 constexpr std::size_t prefix_bytes(const Header& header) noexcept {

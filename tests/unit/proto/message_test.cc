@@ -110,6 +110,19 @@ TEST(Proto, ScalarInitHasOneElement) {
   EXPECT_FALSE(decode(encode_message(h, {}, floats_bytes({7, 8}))));
 }
 
+TEST(Proto, PayloadFollowsHasNoInlinePayload) {
+  Header h = push_header(1000);
+  h.flags = kFlagPayloadFollows;
+  auto m = decode(encode_message(h, {}, {}));
+  ASSERT_TRUE(m) << m.error().to_string();
+  EXPECT_EQ(tensor_bytes(m->header), 4000u);
+  EXPECT_FALSE(decode(encode_message(h, {}, floats_bytes({1}))));
+  Header pull = push_header(1);
+  pull.type = MsgType::kPull;
+  pull.flags = kFlagPayloadFollows;
+  EXPECT_FALSE(decode(encode_message(pull, {}, {})));
+}
+
 TEST(Proto, JoinBodiesRoundTrip) {
   Header h;
   h.type = MsgType::kJoin;

@@ -1,0 +1,120 @@
+// Data-path glue shared by server and worker; see runtime.h.
+#include "common/proto/runtime.h"
+
+#include "common/base/logging.h"
+
+namespace ember::proto {
+namespace {
+
+// Owner of a pool block inside a transport Buffer: freeing it is the release.
+struct BlockOwner {
+  memory::PagePool* pool = nullptr;
+  memory::Block block;
+  BlockOwner(memory::PagePool* p, memory::Block b) noexcept : pool(p), block(b) {}
+  BlockOwner(BlockOwner&& o) noexcept : pool(std::exchange(o.pool, nullptr)), block(o.block) {}
+  BlockOwner(const BlockOwner&) = delete;
+  BlockOwner& operator=(const BlockOwner&) = delete;
+  BlockOwner& operator=(BlockOwner&&) = delete;
+  ~BlockOwner() {
+    if (pool != nullptr) pool->free(block);
+  }
+};
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+}  // namespace
+
+Result<transport::Options> transport_options(const config::Config& config) {
+  const config::CommunicationConfig& c = config.communication;
+  transport::Options o;
+  switch (c.transport) {
+    case config::Transport::kTcp: o.kind = transport::Kind::kTcp; break;
+    case config::Transport::kShm: o.kind = transport::Kind::kShm; break;
+    case config::Transport::kRdma:
+      return make_error(ErrorCode::kConfig,
+                        "communication.transport = \"rdma\" is not available yet; use \"tcp\", "
+                        "or \"shm\" when workers and servers share a host");
+    case config::Transport::kAuto: {
+      bool all_local = true;
+      for (const auto& s : config.cluster.servers) all_local = all_local && is_loopback(s.host);
+      o.kind = all_local ? transport::Kind::kShm : transport::Kind::kTcp;
+      break;
+    }
+  }
+  o.batch_threshold_bytes = c.batch_threshold_bytes;
+  o.flush_interval = c.flush_interval;
+  o.num_channels = config::resolved_num_channels(c);
+  o.zero_copy = c.zero_copy == config::ZeroCopy::kSendfile ? transport::ZeroCopy::kSendfile
+                                                           : transport::ZeroCopy::kWritev;
+  o.num_io_threads = c.num_io_threads;
+  o.cpu_affinity.assign(c.cpu_affinity.begin(), c.cpu_affinity.end());
+  o.heartbeat_interval = c.heartbeat_interval;
+  o.heartbeat_timeout = c.heartbeat_timeout;
+  o.max_message_bytes = c.max_message_bytes;
+  o.max_queued_bytes = c.max_queued_bytes;
+  o.ring_slots = c.ring_buffer_slots;
+  o.auth_token = c.auth_token;
+  o.connect_timeout = config.worker.connect_timeout;
+  return o;
+}
+
+Result<std::unique_ptr<memory::PagePool>> make_pool(const config::Config& config,
+                                                    const std::string& name) {
+  memory::PoolOptions o;
+  o.prealloc_pages = config.communication.prealloc_pages;
+  switch (config.communication.pool_backing) {
+    case config::PoolBacking::kAuto: o.backing = memory::BackingRequest::kAuto; break;
+    case config::PoolBacking::kHugetlb: o.backing = memory::BackingRequest::kHugetlb; break;
+    case config::PoolBacking::kThp: o.backing = memory::BackingRequest::kTransparentHuge; break;
+    case config::PoolBacking::kPlain: o.backing = memory::BackingRequest::kPlain; break;
+  }
+  o.name = name;
+  return memory::PagePool::create(o);
+}
+
+transport::Buffer pool_buffer(memory::PagePool& pool, memory::Block block, std::uint32_t region_id) {
+  transport::MemoryLocation loc;
+  loc.fd = pool.fd();
+  loc.fd_offset = block.offset_bytes();
+  loc.region_id = region_id;
+  const std::span<std::byte> bytes = block.span();
+  return transport::Buffer::adopt(bytes, loc, BlockOwner(&pool, block));
+}
+
+transport::Buffer allocate_buffer(memory::PagePool& pool, std::uint64_t bytes,
+                                  std::uint32_t region_id, bool* fell_back) {
+  if (bytes <= memory::kMaxBlockBytes) {
+    if (auto block = pool.allocate(static_cast<std::size_t>(bytes))) {
+      if (fell_back != nullptr) *fell_back = false;
+      return pool_buffer(pool, *block, region_id);
+    }
+  }
+  if (fell_back != nullptr) *fell_back = true;
+  return transport::Buffer::heap(static_cast<std::size_t>(bytes));
+}
+
+transport::ReceiveAllocator pool_receive_allocator(memory::PagePool& pool, std::uint32_t region_id) {
+  return [&pool, region_id](std::uint64_t size_bytes) -> Result<transport::Buffer> {
+    bool fell_back = false;
+    transport::Buffer b = allocate_buffer(pool, size_bytes, region_id, &fell_back);
+    if (fell_back && size_bytes <= memory::kMaxBlockBytes) {
+      static std::atomic<bool> warned{false};
+      if (!warned.exchange(true)) {
+        log::logger("pool")->warn(
+            "pool '{}' exhausted: receiving into heap memory instead (slower; raise "
+            "communication.prealloc_pages)",
+            pool.name());
+      }
+    }
+    return b;
+  };
+}
+
+std::string endpoint_address(transport::Kind kind, const config::HostPort& server) {
+  if (kind == transport::Kind::kShm) return "@ember-" + server.to_string();
+  return server.to_string();
+}
+
+}  // namespace ember::proto

@@ -1,0 +1,154 @@
+// ember-server: the parameter-server daemon.
+//
+//   ember-server --config config/ember.toml [--listen HOST:PORT] [--set table.key=value]...
+//   ember-server --config FILE --check-config     validate and exit (0 valid, 1 not)
+//   ember-server --config FILE --print-config     print the effective config and exit
+//
+// Runs until SIGTERM or SIGINT, then drains, writes a final checkpoint (when
+// server.checkpoint_dir is set) and exits 0. Under systemd (NOTIFY_SOCKET
+// set) it reports READY=1 once listening and pings WATCHDOG=1 at half the
+// watchdog interval. Once listening it prints one line to stdout:
+//   ember-server ready listen=127.0.0.1:7070 metrics=127.0.0.1:9100
+// (scripts and tests wait for it; "metrics=" is empty when metrics are off).
+// This is the program's one top-level catch: exceptions from CLI11 and any
+// library stop here with a message and exit code 1.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#ifdef EMBER_HAVE_SYSTEMD
+#include <systemd/sd-daemon.h>
+#endif
+
+#include "common/base/logging.h"
+#include "common/config/config.h"
+#include "server/server.h"
+
+namespace {
+
+void notify(const std::string& state) {
+#ifdef EMBER_HAVE_SYSTEMD
+  sd_notify(0, state.c_str());
+#else
+  (void)state;
+#endif
+}
+
+// Watchdog ping interval: half of WATCHDOG_USEC when systemd asks for pings.
+std::chrono::microseconds watchdog_interval() {
+#ifdef EMBER_HAVE_SYSTEMD
+  std::uint64_t usec = 0;
+  if (sd_watchdog_enabled(0, &usec) > 0 && usec > 0) return std::chrono::microseconds(usec / 2);
+#endif
+  return std::chrono::microseconds(0);
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"ember-server: Ember's parameter server daemon"};
+  std::string config_path;
+  std::string listen;
+  std::vector<std::string> overrides;
+  bool check_config = false;
+  bool print_config = false;
+  app.add_option("-c,--config", config_path, "TOML config file (see config/ember.toml); "
+                                             "without it the built-in defaults are used");
+  app.add_option("--listen", listen,
+                 "HOST:PORT to bind, overriding server.listen (port 0: any free port)");
+  app.add_option("--set", overrides, "override one key: table.key=value (repeatable)");
+  app.add_flag("--check-config", check_config, "validate the configuration and exit (0 = valid)");
+  app.add_flag("--print-config", print_config,
+               "print the effective configuration, defaults included, and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  ember::Result<ember::config::Config> loaded =
+      config_path.empty() ? ember::config::parse_config("", "<defaults>")
+                          : ember::config::load_config_file(config_path);
+  if (!loaded) {
+    std::fprintf(stderr, "ember-server: %s\n", loaded.error().message().c_str());
+    return 1;
+  }
+  ember::config::Config config = std::move(*loaded);
+  if (!listen.empty()) {
+    if (auto s = ember::config::set_listen(config, listen); !s) {
+      std::fprintf(stderr, "ember-server: --listen: %s\n", s.error().message().c_str());
+      return 1;
+    }
+  }
+  if (auto s = ember::config::apply_overrides(config, overrides); !s) {
+    std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
+    return 1;
+  }
+  if (check_config) {
+    std::printf("ember-server: configuration is valid (%s)\n",
+                config_path.empty() ? "built-in defaults" : config_path.c_str());
+    return 0;
+  }
+  if (print_config) {
+    std::fputs(ember::config::to_toml(config).c_str(), stdout);
+    return 0;
+  }
+
+  ember::log::init_program_logging(ember::config::to_string(config.server.log_level));
+  auto log = ember::log::logger("server");
+
+  // Block the stop signals in every thread (threads inherit the mask) and
+  // take them synchronously below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto server = ember::server::Server::create(config);
+  if (!server) {
+    log->critical("cannot start: {}", server.error().to_string());
+    notify(fmt::format("STATUS=failed: {}", server.error().message()));
+    return 1;
+  }
+  std::printf("ember-server ready listen=%s metrics=%s\n", (*server)->address().c_str(),
+              (*server)->metrics_address().c_str());
+  std::fflush(stdout);
+  notify(fmt::format("READY=1\nSTATUS=serving on {}", (*server)->address()));
+
+  const auto watchdog = watchdog_interval();
+  const auto tick = watchdog.count() > 0 ? std::chrono::duration_cast<std::chrono::nanoseconds>(watchdog)
+                                         : std::chrono::nanoseconds(std::chrono::seconds(3600));
+  int signal_number = 0;
+  while (signal_number == 0) {
+    timespec ts{};
+    ts.tv_sec = static_cast<time_t>(tick.count() / 1'000'000'000);
+    ts.tv_nsec = static_cast<long>(tick.count() % 1'000'000'000);
+    const int s = sigtimedwait(&stop_signals, nullptr, &ts);
+    if (s > 0) signal_number = s;
+    if (watchdog.count() > 0) notify("WATCHDOG=1");
+  }
+  log->info("received {}: stopping", signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
+  notify("STOPPING=1");
+  if (auto s = (*server)->shutdown(); !s) {
+    log->error("final checkpoint failed: {}", s.error().to_string());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ember-server: fatal: %s\n", e.what());
+    return 1;
+  }
+}

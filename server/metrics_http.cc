@@ -1,0 +1,137 @@
+// Prometheus endpoint over Boost.Beast; see metrics_http.h.
+#include "server/metrics_http.h"
+
+#include <thread>
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <fmt/format.h>
+
+#include "common/base/logging.h"
+
+namespace ember::server {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+// One HTTP exchange: read a request, write a response, close.
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, const metrics::Registry& registry, const std::function<void()>& refresh)
+      : stream_(std::move(socket)), registry_(registry), refresh_(refresh) {}
+
+  void start() {
+    stream_.expires_after(std::chrono::seconds(10));
+    http::async_read(stream_, buffer_, request_,
+                     [self = shared_from_this()](beast::error_code ec, std::size_t) {
+                       if (!ec) self->respond();
+                     });
+  }
+
+ private:
+  void respond() {
+    response_.version(request_.version());
+    response_.keep_alive(false);
+    const auto target = request_.target();
+    if (request_.method() == http::verb::get && (target == "/metrics" || target == "/")) {
+      if (refresh_) refresh_();
+      response_.result(http::status::ok);
+      response_.set(http::field::content_type, std::string(metrics::kExpositionContentType));
+      response_.body() = registry_.render();
+    } else {
+      response_.result(http::status::not_found);
+      response_.set(http::field::content_type, "text/plain");
+      response_.body() = "not found; metrics are at /metrics\n";
+    }
+    response_.prepare_payload();
+    http::async_write(stream_, response_, [self = shared_from_this()](beast::error_code, std::size_t) {
+      beast::error_code ignored;
+      self->stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    });
+  }
+
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_;
+  http::request<http::string_body> request_;
+  http::response<http::string_body> response_;
+  const metrics::Registry& registry_;
+  const std::function<void()>& refresh_;
+};
+
+}  // namespace
+
+struct MetricsHttp::Impl {
+  asio::io_context io{1};
+  tcp::acceptor acceptor{io};
+  const metrics::Registry* registry = nullptr;
+  std::function<void()> refresh;
+  std::thread thread;
+
+  void accept() {
+    acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
+      if (ec) return;  // acceptor closed
+      std::make_shared<Session>(std::move(socket), *registry, refresh)->start();
+      accept();
+    });
+  }
+};
+
+MetricsHttp::MetricsHttp(std::unique_ptr<Impl> impl, std::string address)
+    : impl_(std::move(impl)), address_(std::move(address)) {}
+
+Result<std::unique_ptr<MetricsHttp>> MetricsHttp::start(const std::string& host, std::uint16_t port,
+                                                        const metrics::Registry& registry,
+                                                        std::function<void()> refresh) {
+  auto impl = std::make_unique<Impl>();
+  impl->registry = &registry;
+  impl->refresh = std::move(refresh);
+  beast::error_code ec;
+  const auto address = asio::ip::make_address(host == "localhost" ? "127.0.0.1" : host, ec);
+  if (ec) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "server.metrics_listen: '{}' is not an IP address ({})", host, ec.message());
+  }
+  const tcp::endpoint endpoint(address, port);
+  impl->acceptor.open(endpoint.protocol(), ec);
+  if (!ec) impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+  if (!ec) impl->acceptor.bind(endpoint, ec);
+  if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return make_sys_error(ec.value(), "metrics endpoint: cannot listen on {}:{} ({})", host, port,
+                          ec.message());
+  }
+  const tcp::endpoint bound = impl->acceptor.local_endpoint(ec);
+  std::string bound_text = bound.address().is_v6()
+                               ? fmt::format("[{}]:{}", bound.address().to_string(), bound.port())
+                               : fmt::format("{}:{}", bound.address().to_string(), bound.port());
+  impl->accept();
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] {
+    pthread_setname_np(pthread_self(), "ember-metrics");
+    try {
+      raw->io.run();
+    } catch (const std::exception& e) {
+      log::logger("server")->error("metrics endpoint stopped: {}", e.what());
+    }
+  });
+  return std::unique_ptr<MetricsHttp>(new MetricsHttp(std::move(impl), std::move(bound_text)));
+}
+
+void MetricsHttp::stop() {
+  if (!impl_) return;
+  asio::post(impl_->io, [raw = impl_.get()] {
+    beast::error_code ec;
+    raw->acceptor.close(ec);
+  });
+  impl_->io.stop();
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+MetricsHttp::~MetricsHttp() { stop(); }
+
+}  // namespace ember::server

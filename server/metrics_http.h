@@ -1,0 +1,41 @@
+// A minimal HTTP/1.1 endpoint (Boost.Beast) that serves a metrics Registry
+// in Prometheus text format at GET /metrics (and /), 404 elsewhere.
+//
+// One thread runs its own io_context; each connection gets one response and
+// is closed (Prometheus scrapes are rare: no keep-alive needed). Before each
+// render, `refresh` runs on that thread so the owner can update gauges that
+// are sampled rather than counted (ring occupancy, pool usage, connections).
+//
+// Thread-safety: start() and stop() from the owning thread; refresh runs on
+// the endpoint's thread and must be thread-safe with the rest of the program.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "common/base/error.h"
+#include "common/metrics/metrics.h"
+
+namespace ember::server {
+
+class MetricsHttp {
+ public:
+  // Binds "host:port" (port 0: any free port) and starts serving. Errors:
+  // kInvalidArgument (address), kIo (bind/listen).
+  static Result<std::unique_ptr<MetricsHttp>> start(const std::string& host, std::uint16_t port,
+                                                    const metrics::Registry& registry,
+                                                    std::function<void()> refresh);
+  ~MetricsHttp();  // stop()
+  // The bound "host:port".
+  const std::string& address() const noexcept { return address_; }
+  void stop();
+
+ private:
+  struct Impl;
+  explicit MetricsHttp(std::unique_ptr<Impl> impl, std::string address);
+  std::unique_ptr<Impl> impl_;
+  std::string address_;
+};
+
+}  // namespace ember::server

@@ -1,0 +1,878 @@
+// ember-server wiring: transport callbacks → shards → replies; checkpoints;
+// metrics. See server.h for the design.
+#include "server/server.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "common/base/logging.h"
+#include "common/memory/page_pool.h"
+#include "common/metrics/metrics.h"
+#include "common/proto/message.h"
+#include "common/proto/runtime.h"
+#include "common/transport/transport.h"
+#include "server/checkpoint.h"
+#include "server/metrics_http.h"
+#include "server/shard.h"
+
+namespace ember::server {
+namespace {
+
+proto::Consistency to_proto(config::Consistency c) {
+  switch (c) {
+    case config::Consistency::kBsp: return proto::Consistency::kBsp;
+    case config::Consistency::kAsp: return proto::Consistency::kAsp;
+    case config::Consistency::kSsp: return proto::Consistency::kSsp;
+  }
+  return proto::Consistency::kBsp;
+}
+
+proto::LossPolicy to_proto(config::WorkerLossPolicy p) {
+  switch (p) {
+    case config::WorkerLossPolicy::kWait: return proto::LossPolicy::kWait;
+    case config::WorkerLossPolicy::kShrink: return proto::LossPolicy::kShrink;
+    case config::WorkerLossPolicy::kFail: return proto::LossPolicy::kFail;
+  }
+  return proto::LossPolicy::kWait;
+}
+
+// Error replies logged per connection before going quiet.
+constexpr std::uint32_t kLoggedErrorsPerConnection = 8;
+// Ranks with their own step gauge.
+constexpr std::uint32_t kMaxRankGauges = 256;
+
+struct ConnState {
+  std::uint64_t id = 0;
+  std::shared_ptr<transport::Connection> conn;
+  std::uint32_t rank = 0;
+  std::string peer;
+  // A data request whose payload is the next message on its channel. Each
+  // slot is touched only by the I/O thread of its channel.
+  struct Pending {
+    bool active = false;
+    proto::Header header;
+    std::array<std::uint64_t, proto::kMaxDims> dims{};
+  };
+  std::vector<Pending> pending;
+  std::atomic<std::uint32_t> errors_logged{0};
+  std::atomic<bool> closing{false};
+};
+
+}  // namespace
+
+struct Server::Impl final : ReplySink {
+  config::Config config;
+  std::shared_ptr<spdlog::logger> log = log::logger("server");
+  std::unique_ptr<memory::PagePool> pool;
+  std::atomic<std::uint32_t> region_id{transport::MemoryLocation::kNoRegion};
+  std::uint64_t small_message_limit = 0;
+
+  metrics::Registry registry;
+  metrics::Counter* bad_messages = nullptr;
+  metrics::Counter* checksum_failures = nullptr;
+  metrics::Counter* error_replies = nullptr;
+  metrics::Counter* checkpoints_written = nullptr;
+  metrics::Gauge* workers_connected = nullptr;
+  metrics::Gauge* bytes_in = nullptr;
+  metrics::Gauge* bytes_out = nullptr;
+  metrics::Gauge* frames_in = nullptr;
+  metrics::Gauge* frames_out = nullptr;
+  metrics::Gauge* messages_in = nullptr;
+  metrics::Gauge* messages_out = nullptr;
+  metrics::Gauge* batch_fill = nullptr;
+  metrics::Gauge* pool_in_use = nullptr;
+  metrics::Gauge* pool_region = nullptr;
+  metrics::Gauge* entries = nullptr;
+  std::vector<metrics::Gauge*> ring_items;
+  std::vector<metrics::Gauge*> worker_step;
+  metrics::Histogram* latency_push = nullptr;
+  metrics::Histogram* latency_pull = nullptr;
+  metrics::Histogram* latency_other = nullptr;
+
+  std::vector<std::unique_ptr<Shard>> shards;
+  std::unique_ptr<transport::Transport> transport;
+  std::unique_ptr<transport::Listener> listener;
+  std::string address;
+  std::unique_ptr<MetricsHttp> metrics_http;
+
+  // Connections.
+  mutable std::shared_mutex conns_mutex;
+  std::unordered_map<const transport::Connection*, std::shared_ptr<ConnState>> by_ptr;
+  std::unordered_map<std::uint64_t, std::shared_ptr<ConnState>> by_id;
+  std::vector<std::uint32_t> rank_connections;  // guarded by conns_mutex
+  std::vector<std::uint8_t> rank_lost;          // guarded by conns_mutex
+  std::condition_variable_any conns_cv;
+  std::atomic<std::uint64_t> next_conn_id{1};
+  // Counters of closed connections, folded into the byte/frame gauges.
+  std::mutex closed_stats_mutex;
+  transport::ConnectionStats closed_stats;
+
+  // Checkpoints.
+  std::mutex ckpt_mutex;
+  std::condition_variable ckpt_cv;
+  bool ckpt_stop = false;
+  std::deque<Request> ckpt_waiters;  // worker requests waiting for a checkpoint
+  std::uint64_t ckpt_local_requests = 0;
+  std::uint64_t ckpt_local_done = 0;
+  Result<std::uint64_t> ckpt_local_result = std::uint64_t{0};
+  std::uint64_t next_sequence = 1;
+  std::thread ckpt_thread;
+  std::mutex ckpt_write_mutex;  // one checkpoint at a time
+
+  bool shut_down = false;
+  bool started = false;  // init() finished: only then is a final checkpoint written
+
+  // ---- setup ----
+
+  Status init(const config::Config& cfg);
+  void make_metrics();
+  Status restore_checkpoint();
+
+  // ---- transport callbacks (I/O threads) ----
+
+  std::shared_ptr<ConnState> find(const transport::Connection& c) const {
+    std::shared_lock lock(conns_mutex);
+    auto it = by_ptr.find(&c);
+    return it == by_ptr.end() ? nullptr : it->second;
+  }
+  std::shared_ptr<ConnState> find_id(std::uint64_t id) const {
+    std::shared_lock lock(conns_mutex);
+    auto it = by_id.find(id);
+    return it == by_id.end() ? nullptr : it->second;
+  }
+  void on_accept(std::shared_ptr<transport::Connection> conn);
+  void on_message(transport::Connection& conn, transport::Incoming&& msg);
+  void on_closed(transport::Connection& conn, const Error& reason);
+  void close_bad(ConnState& c, const Error& why);
+  void dispatch(ConnState& c, std::uint32_t channel, const proto::Header& h,
+                const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload);
+  void handle_join(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
+  void handle_set_lr(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
+  void handle_checkpoint(ConnState& c, std::uint32_t channel, const proto::Header& h);
+  void broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id);
+
+  // ---- replies (shard threads, I/O threads, checkpoint thread) ----
+
+  void send_message(const ReplyTo& to, const proto::Header& h, std::span<const std::byte> payload);
+  void reply(const ReplyTo& to, const proto::Header& header, std::span<const float> values) override {
+    send_message(to, header, std::as_bytes(values));
+  }
+  void error(const ReplyTo& to, const proto::Header& request, const Error& err) override;
+
+  // ---- checkpoints ----
+
+  void checkpoint_loop();
+  Result<std::uint64_t> write_checkpoint_now(bool shards_running);
+
+  // ---- metrics ----
+
+  void refresh_metrics();
+
+  Status shutdown();
+};
+
+// ---------------------------------------------------------------------------
+// setup
+
+void Server::Impl::make_metrics() {
+  bad_messages = &registry.counter("ember_server_bad_messages_total",
+                                   "Messages that failed decoding or broke the protocol; each "
+                                   "closed its connection");
+  checksum_failures = &registry.counter("ember_server_checksum_failures_total",
+                                        "Connections closed for a frame checksum mismatch");
+  error_replies = &registry.counter("ember_server_error_replies_total",
+                                    "Requests answered with an error (unknown key, shape, stale "
+                                    "step, lost worker, ...)");
+  checkpoints_written =
+      &registry.counter("ember_server_checkpoints_written_total", "Checkpoints written");
+  workers_connected =
+      &registry.gauge("ember_server_workers_connected", "Worker ranks with a live connection");
+  bytes_in = &registry.gauge("ember_server_bytes_received", "Message payload bytes received");
+  bytes_out = &registry.gauge("ember_server_bytes_sent", "Message payload bytes sent");
+  frames_in = &registry.gauge("ember_server_frames_received", "Frames (batches and large) received");
+  frames_out = &registry.gauge("ember_server_frames_sent", "Frames (batches and large) sent");
+  messages_in = &registry.gauge("ember_server_messages_received", "Messages received");
+  messages_out = &registry.gauge("ember_server_messages_sent", "Messages sent");
+  batch_fill = &registry.gauge("ember_server_batch_fill_ratio",
+                               "Received payload bytes per frame over batch_threshold (capped at 1)");
+  pool_in_use = &registry.gauge("ember_pool_bytes_in_use", "Page-pool bytes in allocated blocks");
+  pool_region = &registry.gauge("ember_pool_region_bytes", "Page-pool region size");
+  entries = &registry.gauge("ember_server_entries", "Tensor chunks stored on this server");
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    ring_items.push_back(&registry.gauge("ember_server_shard_ring_items",
+                                         "Items queued in a shard's ring",
+                                         {{"shard", std::to_string(i)}}));
+  }
+  for (std::uint32_t r = 0; r < std::min(config.cluster.num_workers, kMaxRankGauges); ++r) {
+    worker_step.push_back(&registry.gauge("ember_server_worker_step",
+                                          "Highest push step seen from a worker rank",
+                                          {{"rank", std::to_string(r)}}));
+  }
+  const auto buckets = metrics::latency_us_buckets();
+  latency_push = &registry.histogram("ember_server_request_latency_us",
+                                     "Time from receipt to handling by the shard", buckets,
+                                     {{"type", "push"}});
+  latency_pull = &registry.histogram("ember_server_request_latency_us",
+                                     "Time from receipt to handling by the shard", buckets,
+                                     {{"type", "pull"}});
+  latency_other = &registry.histogram("ember_server_request_latency_us",
+                                      "Time from receipt to handling by the shard", buckets,
+                                      {{"type", "other"}});
+}
+
+Status Server::Impl::restore_checkpoint() {
+  const auto& sc = config.server;
+  if (sc.checkpoint_dir.empty()) return ok_status();
+  EMBER_ASSIGN_OR_RETURN(LoadResult loaded, load_newest_checkpoint(sc.checkpoint_dir, sc.server_index));
+  next_sequence = loaded.next_sequence;
+  if (!loaded.data) {
+    log->info("no checkpoint to restore in '{}'{}", sc.checkpoint_dir,
+              loaded.refused.empty() ? "" : fmt::format(" ({} refused)", loaded.refused.size()));
+    return ok_status();
+  }
+  CheckpointData& d = *loaded.data;
+  if (d.optimizer != config.optimizer.type) {
+    return make_error(ErrorCode::kConfig,
+                      "checkpoint '{}' was written with optimizer \"{}\" but optimizer.type is "
+                      "\"{}\"; use the same optimizer, or another checkpoint_dir to start fresh",
+                      loaded.path.string(), config::to_string(d.optimizer),
+                      config::to_string(config.optimizer.type));
+  }
+  if (d.consistency != to_proto(config.server.consistency)) {
+    log->warn("checkpoint '{}' was written under consistency \"{}\"; continuing under \"{}\"",
+              loaded.path.string(), proto::consistency_name(d.consistency),
+              config::to_string(config.server.consistency));
+  }
+  const std::size_t n = d.entries.size();
+  for (auto& e : d.entries) {
+    const std::uint32_t s = shard_of(e.key, e.chunk_index, static_cast<std::uint32_t>(shards.size()));
+    if (Status st = shards[s]->restore(std::move(e)); !st) {
+      Error err = st.error();
+      err.with_context(fmt::format("restoring checkpoint '{}'", loaded.path.string()));
+      return tl::unexpected(err);
+    }
+  }
+  for (auto& s : shards) {
+    if (Status st = s->set_learning_rate(d.learning_rate); !st) {
+      log->warn("checkpoint learning rate {} refused ({}); keeping the configured rate",
+                d.learning_rate, st.error().message());
+    }
+  }
+  log->info("restored checkpoint '{}': sequence {}, {} tensor chunk(s), learning rate {}",
+            loaded.path.string(), d.sequence, n, d.learning_rate);
+  return ok_status();
+}
+
+Status Server::Impl::init(const config::Config& cfg) {
+  config = cfg;
+  const auto& sc = config.server;
+  small_message_limit = config.communication.batch_threshold_bytes > 512
+                            ? config.communication.batch_threshold_bytes - 256
+                            : 256;
+
+  EMBER_ASSIGN_OR_RETURN(pool, proto::make_pool(config, "server"));
+  auto optimizer = Optimizer::create(config.optimizer);
+  if (!optimizer) {
+    return make_error(ErrorCode::kConfig, "optimizer: {}", optimizer.error().message());
+  }
+
+  for (std::uint32_t i = 0; i < sc.num_shards; ++i) {
+    ShardOptions so;
+    so.index = i;
+    so.core.num_workers = config.cluster.num_workers;
+    so.core.consistency = to_proto(sc.consistency);
+    so.core.staleness = sc.staleness_steps;
+    so.core.loss_policy = to_proto(sc.on_worker_loss);
+    so.core.worker_timeout = sc.worker_timeout;
+    so.core.name = fmt::format("server {} shard {}", sc.server_index, i);
+    so.has_barrier = i == 0 && sc.server_index == 0;
+    if (!sc.shard_cpu_affinity.empty()) {
+      so.cpu = sc.shard_cpu_affinity[i % sc.shard_cpu_affinity.size()];
+    }
+    so.ring_slots = 1024;
+    so.max_producers = config.communication.num_io_threads + 16;
+    ShardHooks hooks;
+    hooks.sink = this;
+    hooks.on_handled = [this](proto::MsgType type, std::chrono::nanoseconds latency) {
+      const double us = std::chrono::duration<double, std::micro>(latency).count();
+      switch (type) {
+        case proto::MsgType::kPush: latency_push->observe(us); break;
+        case proto::MsgType::kPull:
+        case proto::MsgType::kPushPull: latency_pull->observe(us); break;
+        default: latency_other->observe(us); break;
+      }
+    };
+    hooks.on_error = [this](const Error& e) { log->warn("shard: {}", e.to_string()); };
+    EMBER_ASSIGN_OR_RETURN(auto shard, Shard::create(std::move(so), *optimizer, std::move(hooks)));
+    shards.push_back(std::move(shard));
+  }
+  rank_connections.assign(config.cluster.num_workers, 0);
+  rank_lost.assign(config.cluster.num_workers, 0);
+  make_metrics();
+  EMBER_TRY(restore_checkpoint());
+  for (auto& s : shards) s->start();
+
+  // Transport and listener.
+  EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config));
+  topts.receive_allocator = [this](std::uint64_t size) -> Result<transport::Buffer> {
+    return proto::pool_receive_allocator(*pool, region_id.load(std::memory_order_acquire))(size);
+  };
+  const transport::Kind kind = topts.kind;
+  EMBER_ASSIGN_OR_RETURN(transport, transport::Transport::create(std::move(topts)));
+  transport::Transport::Region region{pool->base(), pool->length_bytes(), pool->fd()};
+  EMBER_ASSIGN_OR_RETURN(const std::uint32_t rid, transport->register_memory(region));
+  region_id.store(rid, std::memory_order_release);
+
+  transport::Handlers handlers;
+  handlers.on_message = [this](transport::Connection& c, transport::Incoming&& m) {
+    on_message(c, std::move(m));
+  };
+  handlers.on_closed = [this](transport::Connection& c, const Error& reason) { on_closed(c, reason); };
+  const std::string listen_at = proto::endpoint_address(kind, config::effective_listen(config));
+  auto l = transport->listen(
+      listen_at, transport::LocalIdentity{transport::Role::kServer, sc.server_index},
+      [this](std::shared_ptr<transport::Connection> c) { on_accept(std::move(c)); }, handlers);
+  if (!l) {
+    Error err = l.error();
+    err.with_context(fmt::format("ember-server: cannot listen on {}", listen_at));
+    return tl::unexpected(err);
+  }
+  listener = std::move(*l);
+  address = listener->address();
+
+  if (sc.metrics_listen) {
+    EMBER_ASSIGN_OR_RETURN(metrics_http,
+                           MetricsHttp::start(sc.metrics_listen->host, sc.metrics_listen->port,
+                                              registry, [this] { refresh_metrics(); }));
+  }
+  if (!sc.checkpoint_dir.empty()) ckpt_thread = std::thread([this] { checkpoint_loop(); });
+  started = true;
+  log->info("server {} of {} listening on {} ({}, {} channel(s), {} I/O thread(s), {} shard(s), "
+            "{} consistency, optimizer {}, {} worker(s))",
+            sc.server_index, config.cluster.servers.size(), address, transport::kind_name(kind),
+            transport->options().num_channels, transport->options().num_io_threads, shards.size(),
+            config::to_string(sc.consistency), config::to_string(config.optimizer.type),
+            config.cluster.num_workers);
+  return ok_status();
+}
+
+// ---------------------------------------------------------------------------
+// transport callbacks
+
+void Server::Impl::broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id) {
+  for (auto& s : shards) {
+    ShardItem item;
+    item.kind = kind;
+    item.rank = rank;
+    item.request.to.connection_id = conn_id;
+    item.received = Clock::now();
+    s->post(std::move(item));
+  }
+}
+
+void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
+  const transport::PeerInfo& peer = conn->peer();
+  if (peer.role != transport::Role::kWorker || peer.rank >= config.cluster.num_workers) {
+    bad_messages->inc();
+    log->warn("refusing {} '{}' with rank {}: this job has {} worker(s) (cluster.num_workers)",
+              transport::role_name(peer.role), peer.address, peer.rank, config.cluster.num_workers);
+    conn->close();
+    return;
+  }
+  auto state = std::make_shared<ConnState>();
+  state->id = next_conn_id.fetch_add(1, std::memory_order_relaxed);
+  state->conn = conn;
+  state->rank = peer.rank;
+  state->peer = peer.address;
+  state->pending.resize(peer.num_channels);
+  bool back = false;
+  {
+    std::unique_lock lock(conns_mutex);
+    by_ptr[conn.get()] = state;
+    by_id[state->id] = state;
+    if (rank_connections[peer.rank]++ == 0 && rank_lost[peer.rank]) {
+      rank_lost[peer.rank] = 0;
+      back = true;
+    }
+  }
+  log->info("worker {} connected from {}{}", peer.rank, peer.address, back ? " (rejoining)" : "");
+  if (back) broadcast(ShardItem::Kind::kWorkerBack, peer.rank, 0);
+}
+
+void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
+  std::shared_ptr<ConnState> state;
+  bool lost = false;
+  {
+    std::unique_lock lock(conns_mutex);
+    auto it = by_ptr.find(&conn);
+    if (it == by_ptr.end()) return;  // refused at accept
+    state = it->second;
+    by_ptr.erase(it);
+    by_id.erase(state->id);
+    if (--rank_connections[state->rank] == 0) {
+      rank_lost[state->rank] = 1;
+      lost = true;
+    }
+  }
+  conns_cv.notify_all();
+  {
+    const transport::ConnectionStats s = conn.stats();
+    std::lock_guard lock(closed_stats_mutex);
+    closed_stats.bytes_received += s.bytes_received;
+    closed_stats.bytes_sent += s.bytes_sent;
+    closed_stats.frames_received += s.frames_received;
+    closed_stats.frames_sent += s.frames_sent;
+    closed_stats.messages_received += s.messages_received;
+    closed_stats.messages_sent += s.messages_sent;
+  }
+  if (reason.code() == ErrorCode::kChecksumMismatch) checksum_failures->inc();
+  if (reason.code() == ErrorCode::kMalformedFrame) bad_messages->inc();
+  if (reason.code() == ErrorCode::kClosed || reason.code() == ErrorCode::kCancelled) {
+    log->info("worker {} ({}) disconnected", state->rank, state->peer);
+  } else {
+    log->warn("worker {} ({}) lost: {}", state->rank, state->peer, reason.to_string());
+  }
+  broadcast(ShardItem::Kind::kDropConnection, state->rank, state->id);
+  if (lost) broadcast(ShardItem::Kind::kWorkerLost, state->rank, state->id);
+}
+
+void Server::Impl::close_bad(ConnState& c, const Error& why) {
+  bad_messages->inc();
+  if (!c.closing.exchange(true)) {
+    log->warn("closing the connection of worker {} ({}): {}", c.rank, c.peer, why.to_string());
+  }
+  c.conn->close();
+}
+
+void Server::Impl::error(const ReplyTo& to, const proto::Header& request, const Error& err) {
+  error_replies->inc();
+  auto c = find_id(to.connection_id);
+  if (!c) return;
+  const bool noisy = err.code() != ErrorCode::kWorkerLost && err.code() != ErrorCode::kCancelled;
+  if (noisy && c->errors_logged.fetch_add(1, std::memory_order_relaxed) < kLoggedErrorsPerConnection) {
+    log->warn("bad request from worker {} ({}): {}: {}", c->rank, c->peer, proto::describe(request),
+              err.to_string());
+  }
+  const auto bytes = proto::encode_error_reply(request, err);
+  if (Status s = c->conn->send(to.channel, bytes); !s) {
+    log->debug("error reply to worker {} not sent: {}", c->rank, s.error().to_string());
+  }
+}
+
+void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
+                                std::span<const std::byte> payload) {
+  auto c = find_id(to.connection_id);
+  if (!c) return;  // the worker went away; nothing to answer
+  const std::size_t prefix = proto::prefix_bytes(h);
+  const std::size_t total = prefix + payload.size();
+  Status s;
+  if (total <= small_message_limit) {
+    thread_local std::vector<std::byte> buf;
+    buf.resize(total);
+    proto::encode_prefix(h, {}, buf);
+    if (!payload.empty()) std::memcpy(buf.data() + prefix, payload.data(), payload.size());
+    s = c->conn->send(to.channel, buf);
+  } else {
+    transport::Buffer b = proto::allocate_buffer(*pool, total, region_id.load(std::memory_order_acquire));
+    proto::encode_prefix(h, {}, b.bytes());
+    // The one copy of a pull reply: the parameters as of now, into pool memory.
+    std::memcpy(b.data() + prefix, payload.data(), payload.size());
+    s = c->conn->send(to.channel, std::move(b));
+  }
+  if (!s) log->debug("reply to worker {} not sent: {}", c->rank, s.error().to_string());
+}
+
+void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::Header& h,
+                            const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload) {
+  ShardItem item;
+  item.kind = ShardItem::Kind::kRequest;
+  item.request.to = ReplyTo{c.id, channel};
+  item.request.header = h;
+  item.dims = dims;
+  item.payload = std::move(payload);
+  item.received = Clock::now();
+  if ((h.type == proto::MsgType::kPush || h.type == proto::MsgType::kPushPull) &&
+      h.worker_rank < worker_step.size() && static_cast<double>(h.step) > worker_step[h.worker_rank]->value()) {
+    worker_step[h.worker_rank]->set(static_cast<double>(h.step));
+  }
+  const std::uint32_t s = h.type == proto::MsgType::kBarrier
+                              ? 0
+                              : shard_of(h.key, h.chunk_index, static_cast<std::uint32_t>(shards.size()));
+  shards[s]->post(std::move(item));
+}
+
+void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto::MessageView& m) {
+  const proto::Header& h = m.header;
+  const auto body = proto::decode_join_request(m.payload.first<sizeof(proto::JoinRequestBody)>());
+  const auto& cl = config.cluster;
+  if (body.num_workers != cl.num_workers || body.num_servers != cl.servers.size() ||
+      body.server_index != config.server.server_index) {
+    error(ReplyTo{c.id, channel}, h,
+          Error(ErrorCode::kConfig,
+                fmt::format("worker {} has a different [cluster] table: it expects {} worker(s) "
+                            "and {} server(s) and thinks this is server {}; this server has {} "
+                            "worker(s), {} server(s) and is server {}. Give every process the same "
+                            "[cluster] table",
+                            c.rank, body.num_workers, body.num_servers, body.server_index,
+                            cl.num_workers, cl.servers.size(), config.server.server_index)));
+    return;
+  }
+  proto::JoinReplyBody rb{};
+  rb.num_workers = cl.num_workers;
+  rb.num_servers = static_cast<std::uint32_t>(cl.servers.size());
+  rb.server_index = config.server.server_index;
+  rb.consistency = static_cast<std::uint8_t>(to_proto(config.server.consistency));
+  rb.loss_policy = static_cast<std::uint8_t>(to_proto(config.server.on_worker_loss));
+  rb.num_shards = static_cast<std::uint16_t>(shards.size());
+  rb.staleness = config.server.consistency == config::Consistency::kSsp
+                     ? config.server.staleness_steps
+                     : 0;
+  const auto body_bytes = proto::encode_body(rb);
+  send_message(ReplyTo{c.id, channel}, proto::reply_header(h), body_bytes);
+}
+
+void Server::Impl::handle_set_lr(ConnState& c, std::uint32_t channel, const proto::MessageView& m) {
+  const double lr = proto::decode_f64(m.payload.first<8>());
+  const ReplyTo to{c.id, channel};
+  if (!std::isfinite(lr) || lr <= 0.0) {
+    error(to, m.header,
+          Error(ErrorCode::kInvalidArgument,
+                fmt::format("learning rate must be > 0 and finite (got {})", lr)));
+    return;
+  }
+  const proto::Header request = m.header;
+  auto countdown = std::make_shared<Countdown>(
+      static_cast<std::uint32_t>(shards.size()), [this, to, request] {
+        send_message(to, proto::reply_header(request), {});
+      });
+  log->info("worker {} set the learning rate to {}", c.rank, lr);
+  for (auto& s : shards) {
+    ShardItem item;
+    item.kind = ShardItem::Kind::kSetLearningRate;
+    item.value = lr;
+    item.countdown = countdown;
+    s->post(std::move(item));
+  }
+}
+
+void Server::Impl::handle_checkpoint(ConnState& c, std::uint32_t channel, const proto::Header& h) {
+  if (config.server.checkpoint_dir.empty()) {
+    error(ReplyTo{c.id, channel}, h,
+          Error(ErrorCode::kConfig,
+                "checkpoints are off on this server: set server.checkpoint_dir"));
+    return;
+  }
+  {
+    std::lock_guard lock(ckpt_mutex);
+    ckpt_waiters.push_back(Request{ReplyTo{c.id, channel}, h});
+  }
+  ckpt_cv.notify_all();
+}
+
+void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&& msg) {
+  auto c = find(conn);
+  if (!c) return;  // refused at accept, or closing
+  if (msg.channel >= c->pending.size()) {
+    close_bad(*c, Error(ErrorCode::kProtocol, fmt::format("message on channel {}", msg.channel)));
+    return;
+  }
+  ConnState::Pending& pending = c->pending[msg.channel];
+  if (pending.active) {
+    pending.active = false;
+    const proto::Header& h = pending.header;
+    const std::uint64_t n = proto::tensor_bytes(h);
+    if (msg.bytes.size() != n) {
+      close_bad(*c, Error(ErrorCode::kMalformedFrame,
+                          fmt::format("{}: announced {} payload bytes, the next message has {}",
+                                      proto::describe(h), n, msg.bytes.size())));
+      return;
+    }
+    Payload p = msg.is_large() ? Payload::adopt(std::move(msg.owned), 0, h.num_elements)
+                               : Payload::copy_of(msg.bytes);
+    dispatch(*c, msg.channel, h, pending.dims, std::move(p));
+    return;
+  }
+  auto decoded = proto::decode(msg.bytes);
+  if (!decoded) {
+    close_bad(*c, decoded.error());
+    return;
+  }
+  const proto::MessageView& m = *decoded;
+  const proto::Header& h = m.header;
+  if (h.is_reply()) {
+    close_bad(*c, Error(ErrorCode::kProtocol, fmt::format("a worker sent a reply: {}", proto::describe(h))));
+    return;
+  }
+  if (h.worker_rank != c->rank) {
+    close_bad(*c, Error(ErrorCode::kProtocol,
+                        fmt::format("{} claims rank {} but the connection's handshake said rank {}",
+                                    proto::describe(h), h.worker_rank, c->rank)));
+    return;
+  }
+  switch (h.type) {
+    case proto::MsgType::kJoin:
+      handle_join(*c, msg.channel, m);
+      return;
+    case proto::MsgType::kSetLearningRate:
+      handle_set_lr(*c, msg.channel, m);
+      return;
+    case proto::MsgType::kCheckpoint:
+      handle_checkpoint(*c, msg.channel, h);
+      return;
+    case proto::MsgType::kBarrier:
+      if (config.server.server_index != 0) {
+        error(ReplyTo{c->id, msg.channel}, h,
+              Error(ErrorCode::kInvalidArgument,
+                    fmt::format("barrier sent to server {}; barriers are held by server 0",
+                                config.server.server_index)));
+        return;
+      }
+      dispatch(*c, msg.channel, h, m.dims, Payload{});
+      return;
+    case proto::MsgType::kInit:
+    case proto::MsgType::kPush:
+    case proto::MsgType::kPushPull:
+    case proto::MsgType::kPull: {
+      if ((h.flags & proto::kFlagPayloadFollows) != 0) {
+        pending.active = true;
+        pending.header = h;
+        pending.dims = m.dims;
+        return;
+      }
+      Payload p;
+      const bool has_data = h.type == proto::MsgType::kPush || h.type == proto::MsgType::kPushPull ||
+                            (h.type == proto::MsgType::kInit && (h.flags & proto::kFlagNoData) == 0);
+      if (has_data) {
+        const std::size_t offset = proto::prefix_bytes(h);
+        p = msg.is_large() ? Payload::adopt(std::move(msg.owned), offset, h.num_elements)
+                           : Payload::copy_of(m.payload);
+      }
+      dispatch(*c, msg.channel, h, m.dims, std::move(p));
+      return;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// checkpoints
+
+Result<std::uint64_t> Server::Impl::write_checkpoint_now(bool shards_running) {
+  std::lock_guard write_lock(ckpt_write_mutex);
+  const auto began = Clock::now();
+  CheckpointData data;
+  data.server_index = config.server.server_index;
+  data.num_workers = config.cluster.num_workers;
+  data.optimizer = config.optimizer.type;
+  data.consistency = to_proto(config.server.consistency);
+  data.created_unix_ns = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::system_clock::now().time_since_epoch())
+          .count());
+  if (shards_running) {
+    auto collector = std::make_shared<SnapshotCollector>();
+    collector->remaining = static_cast<std::uint32_t>(shards.size());
+    for (auto& s : shards) {
+      ShardItem item;
+      item.kind = ShardItem::Kind::kSnapshot;
+      item.collector = collector;
+      s->post(std::move(item));
+    }
+    std::unique_lock lock(collector->mutex);
+    collector->cv.wait(lock, [&] { return collector->remaining == 0; });
+    data.entries = std::move(collector->entries);
+    data.learning_rate = collector->learning_rate;
+  } else {
+    for (auto& s : shards) {
+      auto e = s->core().snapshot();
+      for (auto& x : e) data.entries.push_back(std::move(x));
+      data.learning_rate = s->core().learning_rate();
+    }
+  }
+  std::sort(data.entries.begin(), data.entries.end(), [](const EntrySnapshot& a, const EntrySnapshot& b) {
+    return a.key != b.key ? a.key < b.key : a.chunk_index < b.chunk_index;
+  });
+  data.sequence = next_sequence++;
+  auto path = write_checkpoint(config.server.checkpoint_dir, data, config.server.checkpoint_keep);
+  if (!path) {
+    log->error("checkpoint {} failed: {}", data.sequence, path.error().to_string());
+    return tl::unexpected(path.error());
+  }
+  checkpoints_written->inc();
+  log->info("checkpoint {} written: '{}' ({} tensor chunk(s), {:.1f} ms)", data.sequence,
+            path->string(), data.entries.size(),
+            std::chrono::duration<double, std::milli>(Clock::now() - began).count());
+  return data.sequence;
+}
+
+void Server::Impl::checkpoint_loop() {
+  pthread_setname_np(pthread_self(), "ember-ckpt");
+  const auto interval = config.server.checkpoint_interval;
+  auto next_due = Clock::now() + interval;
+  std::unique_lock lock(ckpt_mutex);
+  while (true) {
+    auto wake = [&] {
+      return ckpt_stop || !ckpt_waiters.empty() || ckpt_local_requests > ckpt_local_done;
+    };
+    if (interval.count() > 0) {
+      ckpt_cv.wait_until(lock, next_due, wake);
+    } else {
+      ckpt_cv.wait(lock, wake);
+    }
+    if (ckpt_stop) return;
+    const bool due = interval.count() > 0 && Clock::now() >= next_due;
+    if (!due && ckpt_waiters.empty() && ckpt_local_requests == ckpt_local_done) continue;
+    std::deque<Request> waiters = std::move(ckpt_waiters);
+    ckpt_waiters.clear();
+    const std::uint64_t local_target = ckpt_local_requests;
+    lock.unlock();
+    auto result = write_checkpoint_now(true);
+    for (const Request& w : waiters) {
+      if (result) {
+        proto::Header r = proto::reply_header(w.header);
+        r.step = *result;
+        send_message(w.to, r, {});
+      } else {
+        error(w.to, w.header, result.error());
+      }
+    }
+    lock.lock();
+    ckpt_local_result = result;
+    ckpt_local_done = local_target;
+    ckpt_cv.notify_all();
+    next_due = Clock::now() + interval;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// metrics
+
+void Server::Impl::refresh_metrics() {
+  transport::ConnectionStats total;
+  {
+    std::lock_guard lock(closed_stats_mutex);
+    total = closed_stats;
+  }
+  std::uint32_t connected = 0;
+  {
+    std::shared_lock lock(conns_mutex);
+    for (const auto& [id, c] : by_id) {
+      const auto s = c->conn->stats();
+      total.bytes_received += s.bytes_received;
+      total.bytes_sent += s.bytes_sent;
+      total.frames_received += s.frames_received;
+      total.frames_sent += s.frames_sent;
+      total.messages_received += s.messages_received;
+      total.messages_sent += s.messages_sent;
+    }
+    for (auto n : rank_connections) connected += n > 0 ? 1 : 0;
+  }
+  workers_connected->set(connected);
+  bytes_in->set(static_cast<double>(total.bytes_received));
+  bytes_out->set(static_cast<double>(total.bytes_sent));
+  frames_in->set(static_cast<double>(total.frames_received));
+  frames_out->set(static_cast<double>(total.frames_sent));
+  messages_in->set(static_cast<double>(total.messages_received));
+  messages_out->set(static_cast<double>(total.messages_sent));
+  if (total.frames_received > 0) {
+    const double per_frame = static_cast<double>(total.bytes_received) /
+                             static_cast<double>(total.frames_received);
+    batch_fill->set(std::min(1.0, per_frame / static_cast<double>(config.communication.batch_threshold_bytes)));
+  }
+  const memory::PoolStats ps = pool->stats();
+  pool_in_use->set(static_cast<double>(ps.bytes_in_use));
+  pool_region->set(static_cast<double>(ps.region_bytes));
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    ring_items[i]->set(static_cast<double>(shards[i]->queued_approx()));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// shutdown
+
+Status Server::Impl::shutdown() {
+  if (shut_down) return ok_status();
+  shut_down = true;
+  log->info("shutting down: draining connections and shards");
+  listener.reset();
+  std::vector<std::shared_ptr<transport::Connection>> open;
+  {
+    std::shared_lock lock(conns_mutex);
+    for (const auto& [id, c] : by_id) open.push_back(c->conn);
+  }
+  for (auto& c : open) c->close(std::chrono::milliseconds(500));
+  {
+    std::shared_lock lock(conns_mutex);
+    conns_cv.wait_for(lock, std::chrono::seconds(2), [&] { return by_id.empty(); });
+  }
+  open.clear();
+  {
+    std::lock_guard lock(ckpt_mutex);
+    ckpt_stop = true;
+  }
+  ckpt_cv.notify_all();
+  if (ckpt_thread.joinable()) ckpt_thread.join();
+  transport.reset();  // joins the I/O threads: no more items after this
+  for (auto& s : shards) s->stop();
+  for (auto& s : shards) s->join();
+  Status result;
+  if (started && !config.server.checkpoint_dir.empty()) {
+    auto r = write_checkpoint_now(false);
+    if (!r) result = tl::unexpected(r.error());
+  }
+  metrics_http.reset();
+  log->info("stopped");
+  return result;
+}
+
+// ---------------------------------------------------------------------------
+// Server
+
+Server::Server() : impl_(std::make_unique<Impl>()) {}
+
+Server::~Server() {
+  if (impl_) (void)impl_->shutdown();
+}
+
+Result<std::unique_ptr<Server>> Server::create(const config::Config& config) {
+  EMBER_TRY(config::validate(config, "config"));
+  std::unique_ptr<Server> server(new Server());
+  if (Status s = server->impl_->init(config); !s) {
+    (void)server->impl_->shutdown();
+    return tl::unexpected(s.error());
+  }
+  return server;
+}
+
+std::string Server::address() const { return impl_->address; }
+
+std::string Server::metrics_address() const {
+  return impl_->metrics_http ? impl_->metrics_http->address() : std::string();
+}
+
+Status Server::shutdown() { return impl_->shutdown(); }
+
+Result<std::uint64_t> Server::checkpoint_now() {
+  Impl& i = *impl_;
+  if (i.config.server.checkpoint_dir.empty()) {
+    return make_error(ErrorCode::kConfig, "checkpoints are off: set server.checkpoint_dir");
+  }
+  std::unique_lock lock(i.ckpt_mutex);
+  const std::uint64_t target = ++i.ckpt_local_requests;
+  i.ckpt_cv.notify_all();
+  i.ckpt_cv.wait(lock, [&] { return i.ckpt_local_done >= target || i.ckpt_stop; });
+  if (i.ckpt_local_done < target) return make_error(ErrorCode::kCancelled, "server shutting down");
+  return i.ckpt_local_result;
+}
+
+}  // namespace ember::server

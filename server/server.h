@@ -1,0 +1,66 @@
+// Server: one ember-server process — transport listener, shard threads,
+// checkpoints and metrics, wired together.
+//
+// Data path: the transport's I/O threads call on_message; there the message
+// is decoded (proto::decode trusts nothing), checked against the connection's
+// rank, and routed to the shard that owns (key, chunk) through that shard's
+// MPSC ring (I/O threads are the producers). Large tensor payloads are
+// adopted from the transport's receive Buffer without a copy (a page-pool
+// block for tcp). Shards reply through ServerSink: a pull's parameters are
+// copied once into a pool block (the snapshot a reply needs, since the
+// parameters change afterwards) and sent from there.
+//
+// Control: join, set_learning_rate and checkpoint requests are handled off
+// the shards' data path. Worker loss: when the last connection of a rank
+// closes (heartbeat timeout, reset, close), every shard gets kWorkerLost; when
+// the rank connects again, kWorkerBack (it rejoins).
+//
+// Bad requests: a malformed message closes that connection (logged once with
+// the peer); a well-formed request the store refuses gets an error reply
+// (logged at warn, first few per connection). Other workers carry on.
+//
+// Lifecycle: create() restores the newest valid checkpoint, starts shards,
+// listener, checkpoint thread and metrics; shutdown() stops accepting,
+// closes connections, drains the shards, writes a final checkpoint (when
+// checkpoint_dir is set) and stops everything. Thread-safety: create,
+// shutdown and the accessors from the owning thread; request_checkpoint from
+// any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/base/error.h"
+#include "common/config/config.h"
+
+namespace ember::server {
+
+class Server {
+ public:
+  // Errors: kConfig (unusable settings, e.g. a checkpoint from another
+  // optimizer type, partition_bytes above the largest block), kIo (bind,
+  // threads, checkpoint directory), and the pool's and transport's errors.
+  static Result<std::unique_ptr<Server>> create(const config::Config& config);
+  ~Server();  // shutdown() if not done
+
+  // Bound addresses: the data listener and the metrics endpoint ("" when off).
+  std::string address() const;
+  std::string metrics_address() const;
+
+  // Drains and checkpoints as described above. Idempotent. Returns the final
+  // checkpoint's error, if writing it failed (the server is stopped anyway).
+  Status shutdown();
+
+  // Writes a checkpoint now and waits for it. Errors: kConfig when
+  // checkpoint_dir is empty, kIo from the write. Any thread except an I/O
+  // or shard thread.
+  Result<std::uint64_t> checkpoint_now();
+
+ private:
+  Server();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ember::server

@@ -1,0 +1,170 @@
+// Shard thread: ring → ShardCore → ReplySink; see shard.h.
+#include "server/shard.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <fmt/format.h>
+
+#include "common/base/logging.h"
+#include "common/placement/placement.h"
+
+namespace ember::server {
+
+std::uint32_t shard_of(std::uint64_t key, std::uint32_t chunk_index, std::uint32_t num_shards) {
+  // Re-mixed so that shards are independent of server_of/channel_of.
+  return static_cast<std::uint32_t>(
+      placement::mix64(placement::chunk_hash(key, chunk_index) ^ 0x5AFE5AFE5AFE5AFEULL) %
+      num_shards);
+}
+
+Result<std::unique_ptr<Shard>> Shard::create(ShardOptions options, Optimizer optimizer,
+                                             ShardHooks hooks) {
+  ring::MpscOptions ro;
+  ro.lane_capacity = options.ring_slots;
+  ro.max_producers = options.max_producers;
+  EMBER_ASSIGN_OR_RETURN(auto ring, ring::BlockingMpscRing<ShardItem>::create(ro));
+  return std::unique_ptr<Shard>(
+      new Shard(std::move(options), std::move(optimizer), std::move(hooks), std::move(ring)));
+}
+
+Shard::Shard(ShardOptions options, Optimizer optimizer, ShardHooks hooks,
+             std::unique_ptr<ring::BlockingMpscRing<ShardItem>> ring)
+    : options_(std::move(options)),
+      hooks_(std::move(hooks)),
+      core_(options_.core, std::move(optimizer)),
+      ring_(std::move(ring)) {
+  if (options_.has_barrier) {
+    barrier_.emplace(options_.core.num_workers, options_.core.loss_policy,
+                     options_.core.worker_timeout);
+  }
+}
+
+Shard::~Shard() {
+  stop();
+  join();
+}
+
+void Shard::start() { thread_ = std::thread([this] { run(); }); }
+
+void Shard::post(ShardItem&& item) {
+  // A full lane: the consumer is behind. Yield until it makes room (this is
+  // the back-pressure that slows the connection feeding this lane).
+  while (!ring_->try_push(std::move(item))) std::this_thread::yield();
+}
+
+void Shard::stop() {
+  stopping_.store(true, std::memory_order_release);
+  ring_->wake();
+}
+
+void Shard::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void Shard::run() {
+  const std::string name = fmt::format("ember-shard-{}", options_.index);
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+  if (options_.cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(*options_.cpu, &set);
+    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) != 0) {
+      log::logger("server")->warn("{}: cannot pin to CPU {}; running unpinned", name, *options_.cpu);
+    }
+  }
+  auto handle_item = [this](ShardItem& item) { handle(item); };
+  while (true) {
+    std::chrono::nanoseconds timeout = std::chrono::milliseconds(200);
+    const TimePoint now = Clock::now();
+    std::optional<TimePoint> deadline = core_.next_deadline();
+    if (barrier_) {
+      auto b = barrier_->next_deadline();
+      if (b && (!deadline || *b < *deadline)) deadline = b;
+    }
+    if (deadline) {
+      timeout = std::max<std::chrono::nanoseconds>(std::chrono::nanoseconds(0),
+                                                    std::min(timeout, *deadline - now));
+    }
+    const std::size_t n = ring_->consume_wait(handle_item, 64, timeout);
+    if (deadline && Clock::now() >= *deadline) {
+      core_.on_tick(Clock::now(), *hooks_.sink);
+      if (barrier_) barrier_->on_tick(Clock::now(), *hooks_.sink);
+    }
+    if (n == 0 && stopping_.load(std::memory_order_acquire)) {
+      // Drain: everything queued before stop() is handled before exiting.
+      while (ring_->consume(handle_item, 1024) != 0) {
+      }
+      return;
+    }
+  }
+}
+
+void Shard::handle(ShardItem& item) {
+  const TimePoint now = Clock::now();
+  ReplySink& sink = *hooks_.sink;
+  switch (item.kind) {
+    case ShardItem::Kind::kRequest: {
+      const Request& r = item.request;
+      switch (r.header.type) {
+        case proto::MsgType::kInit:
+          core_.on_init(r, std::span<const std::uint64_t>(item.dims.data(), r.header.ndim),
+                        std::move(item.payload), now, sink);
+          break;
+        case proto::MsgType::kPush:
+          core_.on_push(r, std::move(item.payload), now, sink);
+          break;
+        case proto::MsgType::kPull:
+          core_.on_pull(r, now, sink);
+          break;
+        case proto::MsgType::kPushPull:
+          core_.on_push_pull(r, std::move(item.payload), now, sink);
+          break;
+        case proto::MsgType::kBarrier:
+          if (barrier_) {
+            barrier_->on_barrier(r, now, sink);
+          } else {
+            sink.error(r.to, r.header,
+                       Error(ErrorCode::kInternal, "barrier routed to a shard without one"));
+          }
+          break;
+        default:
+          sink.error(r.to, r.header,
+                     Error(ErrorCode::kInternal,
+                           fmt::format("{} routed to a shard", proto::msg_type_name(r.header.type))));
+          break;
+      }
+      if (hooks_.on_handled) hooks_.on_handled(r.header.type, now - item.received);
+      break;
+    }
+    case ShardItem::Kind::kWorkerLost:
+      core_.on_worker_lost(item.rank, now, sink);
+      if (barrier_) barrier_->on_worker_lost(item.rank, now, sink);
+      break;
+    case ShardItem::Kind::kWorkerBack:
+      core_.on_worker_back(item.rank, now, sink);
+      if (barrier_) barrier_->on_worker_back(item.rank);
+      break;
+    case ShardItem::Kind::kDropConnection:
+      core_.drop_connection(item.request.to.connection_id);
+      if (barrier_) barrier_->drop_connection(item.request.to.connection_id);
+      break;
+    case ShardItem::Kind::kSetLearningRate:
+      if (Status s = core_.set_learning_rate(item.value); !s && hooks_.on_error) {
+        hooks_.on_error(s.error());
+      }
+      if (item.countdown) item.countdown->arrive();
+      break;
+    case ShardItem::Kind::kSnapshot: {
+      auto entries = core_.snapshot();
+      auto& c = *item.collector;
+      std::lock_guard lock(c.mutex);
+      for (auto& e : entries) c.entries.push_back(std::move(e));
+      c.learning_rate = core_.learning_rate();
+      if (--c.remaining == 0) c.cv.notify_all();
+      break;
+    }
+  }
+}
+
+}  // namespace ember::server

@@ -1,0 +1,140 @@
+// Shard: one thread that owns a ShardCore (a slice of the key space) and, on
+// shard 0, the job-wide BarrierCore. Shared-nothing: the only way in is the
+// shard's BlockingMpscRing, whose producers are the transport's I/O threads
+// (one lane each, so a preempted I/O thread holds back only its own lane) and
+// the server's control threads.
+//
+// The thread pops items in batches, hands each to the core, and sends what
+// the core emits through the ReplySink the server supplies. Between batches it
+// wakes for the loss-policy deadlines (worker_timeout) of its cores.
+//
+// Thread-safety: post() from any thread; everything else is the shard
+// thread's, except stop()/join() from the owner. Snapshots and learning-rate
+// changes are items like requests, so they are ordered with the traffic of
+// the lane they came through.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "common/ring/blocking_mpsc_ring.h"
+#include "server/barrier_core.h"
+#include "server/shard_core.h"
+
+namespace ember::server {
+
+// Counts down to zero and runs `done` once, on the thread that reaches it.
+struct Countdown {
+  std::atomic<std::uint32_t> remaining;
+  std::function<void()> done;
+  Countdown(std::uint32_t n, std::function<void()> fn) : remaining(n), done(std::move(fn)) {}
+  void arrive() {
+    if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1 && done) done();
+  }
+};
+
+// Collects the snapshots of every shard for one checkpoint.
+struct SnapshotCollector {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::uint32_t remaining = 0;
+  std::vector<EntrySnapshot> entries;  // guarded by mutex
+  double learning_rate = 0.0;
+};
+
+struct ShardItem {
+  enum class Kind : std::uint8_t {
+    kRequest,         // request + dims + payload
+    kWorkerLost,      // rank
+    kWorkerBack,      // rank
+    kDropConnection,  // request.to.connection_id
+    kSetLearningRate, // value, countdown
+    kSnapshot,        // collector
+  };
+  Kind kind = Kind::kRequest;
+  std::uint32_t rank = 0;
+  Request request;
+  std::array<std::uint64_t, proto::kMaxDims> dims{};
+  Payload payload;
+  double value = 0.0;
+  std::shared_ptr<Countdown> countdown;
+  std::shared_ptr<SnapshotCollector> collector;
+  TimePoint received{};
+};
+
+struct ShardOptions {
+  std::uint32_t index = 0;
+  CoreOptions core;
+  bool has_barrier = false;  // shard 0 of server 0
+  std::optional<std::uint32_t> cpu;  // pin the thread here
+  std::size_t ring_slots = 1024;     // per producer lane
+  std::size_t max_producers = 64;
+};
+
+// What the shard needs from the server around it. Called on the shard thread.
+struct ShardHooks {
+  ReplySink* sink = nullptr;
+  // After each request is handled: its type and how long it took since it
+  // was received (for the latency histograms).
+  std::function<void(proto::MsgType type, std::chrono::nanoseconds latency)> on_handled;
+  // set_learning_rate refused by a shard (cannot happen when the I/O thread
+  // validated it; kept for completeness).
+  std::function<void(const Error&)> on_error;
+};
+
+class Shard {
+ public:
+  // Builds the shard and its ring; the thread starts in start(). Errors: the
+  // ring's (kIo for the eventfd, kInvalidArgument for sizes).
+  static Result<std::unique_ptr<Shard>> create(ShardOptions options, Optimizer optimizer,
+                                               ShardHooks hooks);
+  ~Shard();  // stop() + join()
+
+  // Restores entries before start(). Errors: ShardCore::restore's.
+  Status restore(EntrySnapshot snapshot) { return core_.restore(std::move(snapshot)); }
+  Status set_learning_rate(double lr) { return core_.set_learning_rate(lr); }
+
+  void start();
+
+  // Queues an item; waits (yielding) while the caller's lane is full, which
+  // pushes back on the connection that produced it. Any thread.
+  void post(ShardItem&& item);
+
+  // Asks the thread to finish: it handles every item already queued, then
+  // exits. join() waits for that. After join() the core may be read from
+  // the joining thread (snapshot for the final checkpoint).
+  void stop();
+  void join();
+  const ShardCore& core() const { return core_; }
+
+  std::size_t queued_approx() const noexcept { return ring_->size_approx(); }
+  std::uint32_t index() const noexcept { return options_.index; }
+
+ private:
+  Shard(ShardOptions options, Optimizer optimizer, ShardHooks hooks,
+        std::unique_ptr<ring::BlockingMpscRing<ShardItem>> ring);
+  void run();
+  void handle(ShardItem& item);
+
+  ShardOptions options_;
+  ShardHooks hooks_;
+  ShardCore core_;
+  std::optional<BarrierCore> barrier_;
+  std::unique_ptr<ring::BlockingMpscRing<ShardItem>> ring_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+// The shard that owns (key, chunk) among `num_shards`: a hash independent of
+// the server and channel placement bits.
+std::uint32_t shard_of(std::uint64_t key, std::uint32_t chunk_index, std::uint32_t num_shards);
+
+}  // namespace ember::server
