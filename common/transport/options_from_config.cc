@@ -1,0 +1,44 @@
+#include "common/transport/options_from_config.h"
+
+#include "common/base/logging.h"
+
+namespace ember::transport {
+
+Result<Options> options_from_config(const config::CommunicationConfig& comm,
+                                    bool peer_on_same_host) {
+  Options o;
+  switch (comm.transport) {
+    case config::Transport::kTcp:
+      o.kind = Kind::kTcp;
+      break;
+    case config::Transport::kShm:
+      o.kind = Kind::kShm;
+      break;
+    case config::Transport::kRdma:
+      return make_error(ErrorCode::kUnavailable,
+                        "[communication] transport = \"rdma\": the rdma transport is not available "
+                        "in this build; use \"tcp\", \"shm\" or \"auto\"");
+    case config::Transport::kAuto:
+      o.kind = peer_on_same_host ? Kind::kShm : Kind::kTcp;
+      log::logger("transport")
+          ->info("transport = \"auto\": using {} ({}; no RDMA device support in this build)",
+                 kind_name(o.kind), peer_on_same_host ? "the peer is on this host" : "remote peer");
+      break;
+  }
+  o.batch_threshold_bytes = comm.batch_threshold_bytes;
+  o.flush_interval = comm.flush_interval;
+  o.ring_slots = comm.ring_buffer_slots;
+  o.num_channels = config::resolved_num_channels(comm);
+  o.zero_copy = comm.zero_copy == config::ZeroCopy::kSendfile ? ZeroCopy::kSendfile : ZeroCopy::kWritev;
+  o.cpu_affinity.assign(comm.cpu_affinity.begin(), comm.cpu_affinity.end());
+  o.num_io_threads = comm.num_io_threads;
+  o.heartbeat_interval = comm.heartbeat_interval;
+  o.heartbeat_timeout = comm.heartbeat_timeout;
+  o.max_message_bytes = comm.max_message_bytes;
+  o.max_queued_bytes = comm.max_queued_bytes;
+  o.auth_token = comm.auth_token;
+  EMBER_TRY(o.validate());
+  return o;
+}
+
+}  // namespace ember::transport
