@@ -5,6 +5,8 @@
 
 #include <thread>
 
+#include "common/memory/page_pool.h"
+#include "common/transport/pool_buffer.h"
 #include "common/transport/transport.h"
 #include "tests/unit/transport/transport_test_util.h"
 
@@ -164,6 +166,69 @@ TEST_P(TransportTest, ManySmallMessagesKeepOrderFromConcurrentSenders) {
   EXPECT_EQ(stats.messages_sent, kThreads * kPerThread);
   // Batching: far fewer frames than messages.
   EXPECT_LT(stats.frames_sent * 10, stats.messages_sent);
+}
+
+TEST_P(TransportTest, PoolBuffersAndUnregisteredMemoryBothArrive) {
+  // Large messages from the page pool (zero-copy: sendfile/lent) and from
+  // plain memory (tcp: gathered write; shm: fragments through the ring),
+  // received into the receiver's pool.
+  const Mode mode = GetParam();
+  memory::PoolOptions po;
+  po.prealloc_pages = 24;
+  po.backing = memory::BackingRequest::kPlain;
+  auto send_pool = memory::PagePool::create(po);
+  auto recv_pool = memory::PagePool::create(po);
+  ASSERT_TRUE(send_pool && recv_pool);
+  Options so = options_for(mode);
+  so.receive_allocator = pool_receive_allocator(**recv_pool);
+  auto server_tx = Transport::create(so);
+  ASSERT_TRUE(server_tx);
+  auto client_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(client_tx);
+  auto rid = register_pool(**client_tx, **send_pool);
+  ASSERT_TRUE(rid);
+  Inbox server_in, client_in;
+  bool in_recv_pool = true;
+  server_in.also = [&](Connection&, Incoming& m) {
+    if (m.is_large() && mode.kind != Kind::kShm) in_recv_pool = in_recv_pool && (*recv_pool)->contains(m.bytes.data());
+  };
+  auto listener = (*server_tx)->listen(address_for(mode, "pool"), {Role::kServer, 0},
+                                       server_in.acceptor(), server_in.handlers());
+  ASSERT_TRUE(listener);
+  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0}, client_in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  const std::vector<std::size_t> sizes = {5000, 3u << 20, 100, 16u << 20, 4097};
+  std::vector<std::byte> plain(16u << 20);
+  int done_ok = 0;
+  std::mutex done_mu;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (i % 2 == 0) {
+      auto span = std::span<std::byte>(plain).first(sizes[i]);
+      testing::fill_pattern(span, 1, i);
+      ASSERT_TRUE((*conn)->send(1, span));
+    } else {
+      auto b = allocate_buffer(**send_pool, sizes[i], *rid);
+      ASSERT_TRUE(b);
+      testing::fill_pattern(b->bytes(), 1, i);
+      ASSERT_TRUE((*conn)->send(1, std::move(*b), [&](const Status& st) {
+        std::lock_guard lock(done_mu);
+        if (st) ++done_ok;
+      }));
+    }
+  }
+  ASSERT_TRUE((*conn)->flush(1));
+  ASSERT_TRUE(server_in.wait_count(1, sizes.size()));
+  {
+    std::lock_guard lock(server_in.mu);
+    EXPECT_EQ(server_in.sizes[1], sizes);
+    for (bool ok : server_in.intact[1]) EXPECT_TRUE(ok);
+  }
+  EXPECT_TRUE(in_recv_pool);
+  (*conn)->close();
+  ASSERT_TRUE(client_in.wait_closed());
+  std::lock_guard lock(done_mu);
+  EXPECT_EQ(done_ok, 2);
+  EXPECT_EQ((*send_pool)->stats().bytes_in_use, 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, TransportTest,
