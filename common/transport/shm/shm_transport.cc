@@ -1045,6 +1045,22 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
   }
   // Fragments: copied through the ring (memory the peer cannot map).
   const std::size_t per_slot = tx_.body_bytes();
+  if (wait.count() <= 0 || conn_->core().io->on_io_thread()) {
+    // A caller that cannot wait gets all of the message in or none of it.
+    const std::uint64_t needed = (size + per_slot - 1) / per_slot;
+    const std::uint64_t free_slots =
+        tx_.geometry().num_slots -
+        (next_head_ - tx_.control().tail.value.load(std::memory_order_acquire));
+    if (needed > free_slots) {
+      return fail_with(Error(
+          ErrorCode::kTimeout,
+          fmt::format("shm channel {}: a {}-byte message from unregistered memory needs {} free "
+                      "ring slots, {} are free, and this caller cannot wait (I/O thread or zero "
+                      "wait); send it from a registered region, from another thread, or raise "
+                      "[communication] ring_buffer_size",
+                      index_, size, needed, free_slots)));
+    }
+  }
   std::uint64_t off = 0;
   while (off < size) {
     if (Status s = wait_locked(lock, wait, "ring full", [&] { return slot_free_locked(); }); !s) {

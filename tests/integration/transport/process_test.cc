@@ -1,0 +1,271 @@
+// Transport tests across real processes: this test is the server; the peer
+// (ember-transport-peer, a separate executable) is the worker. Covers every
+// payload size through an echo in both directions, a crashed shm peer (its
+// lent payloads and mappings are released), a hung shm peer (heartbeat
+// timeout) and a tcp peer killed mid-transfer.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <dirent.h>
+
+#include <fstream>
+#include <string>
+
+#include "common/transport/transport.h"
+#include "tests/unit/transport/transport_test_util.h"
+
+extern char** environ;
+
+namespace ember::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::Inbox;
+using testing::MemfdRegion;
+
+// A child process with its stdout on a pipe.
+class Child {
+ public:
+  Child(const std::vector<std::string>& args) {
+    int p[2];
+    EMBER_CHECK(::pipe2(p, O_CLOEXEC) == 0);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    std::vector<char*> argv;
+    std::string exe = EMBER_TRANSPORT_PEER;
+    argv.push_back(exe.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    EMBER_CHECK(::posix_spawn(&pid_, exe.c_str(), &fa, nullptr, argv.data(), environ) == 0);
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(p[1]);
+    out_ = p[0];
+  }
+  ~Child() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    ::close(out_);
+  }
+  // Reads stdout until a line equal to `line` arrives (deadline 20 s).
+  bool wait_line(const std::string& line) {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    for (;;) {
+      for (auto pos = buf_.find('\n'); pos != std::string::npos; pos = buf_.find('\n')) {
+        std::string l = buf_.substr(0, pos);
+        buf_.erase(0, pos + 1);
+        if (l == line) return true;
+      }
+      const auto left = deadline - std::chrono::steady_clock::now();
+      if (left <= 0s) return false;
+      pollfd pfd{out_, POLLIN, 0};
+      if (::poll(&pfd, 1, static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(left).count())) <= 0) {
+        return false;
+      }
+      char tmp[512];
+      const ssize_t n = ::read(out_, tmp, sizeof tmp);
+      if (n <= 0) return false;
+      buf_.append(tmp, static_cast<std::size_t>(n));
+    }
+  }
+  void signal(int sig) { ::kill(pid_, sig); }
+  // Exit status, waiting up to 20 s; -1 on timeout or signal.
+  int wait_exit() {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    for (;;) {
+      int status = 0;
+      const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      if (std::chrono::steady_clock::now() > deadline) return -1;
+      // Child exit has no fd to wait on here; its stdout closes at exit.
+      pollfd pfd{out_, POLLIN, 0};
+      ::poll(&pfd, 1, 50);
+      char tmp[512];
+      if ((pfd.revents & POLLIN) != 0) (void)::read(out_, tmp, sizeof tmp);
+    }
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+  std::string buf_;
+};
+
+std::size_t count_maps(const std::string& needle) {
+  std::ifstream f("/proc/self/maps");
+  std::string line;
+  std::size_t n = 0;
+  while (std::getline(f, line)) n += line.find(needle) != std::string::npos;
+  return n;
+}
+std::size_t count_fds() {
+  std::size_t n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+  ::closedir(d);
+  return n;
+}
+
+struct Mode {
+  const char* name;
+  Kind kind;
+  ZeroCopy zero_copy;
+};
+
+Options server_options(const Mode& m) {
+  Options o;
+  o.kind = m.kind;
+  o.zero_copy = m.zero_copy;
+  o.num_channels = 2;
+  o.max_message_bytes = std::uint64_t{128} << 20;
+  o.max_queued_bytes = std::uint64_t{256} << 20;
+  o.heartbeat_interval = 100ms;
+  o.heartbeat_timeout = 5s;
+  return o;
+}
+std::string listen_address(const Mode& m, const char* tag) {
+  return m.kind == Kind::kShm ? std::string("@ember-it-") + tag + "-" + std::to_string(::getpid())
+                              : "127.0.0.1:0";
+}
+
+class ProcessTest : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(ProcessTest, EverySizeEchoedByAnotherProcessArrivesIntactInOrder) {
+  const Mode m = GetParam();
+  auto t = Transport::create(server_options(m));
+  ASSERT_TRUE(t);
+  MemfdRegion mem(std::size_t{200} << 20);
+  auto rid = (*t)->register_memory(mem.region());
+  ASSERT_TRUE(rid);
+  mem.set_region_id(*rid);
+  Inbox in;
+  auto l = (*t)->listen(listen_address(m, "echo"), {Role::kServer, 0}, in.acceptor(), in.handlers());
+  ASSERT_TRUE(l) << l.error().to_string();
+  Child child({"--mode", m.name, "--connect", (*l)->address(), "--behaviour", "echo", "--channels", "2"});
+  ASSERT_TRUE(child.wait_line("READY"));
+  ASSERT_TRUE(in.wait_accepted(1));
+  auto conn = in.accepted_at(0);
+  const std::vector<std::size_t> sizes = {0, 1, 4095, 4096, 4097, 1u << 20, 64u << 20};
+  for (std::uint32_t ch = 0; ch < 2; ++ch) {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      Buffer b = mem.make(sizes[i]);
+      testing::fill_pattern(b.bytes(), ch, i);
+      ASSERT_TRUE(conn->send(ch, std::move(b)));
+    }
+    ASSERT_TRUE(conn->flush(ch));
+  }
+  for (std::uint32_t ch = 0; ch < 2; ++ch) {
+    ASSERT_TRUE(in.wait_count(ch, sizes.size())) << "channel " << ch;
+    std::lock_guard lock(in.mu);
+    EXPECT_EQ(in.sizes[ch], sizes);
+    for (std::size_t i = 0; i < sizes.size(); ++i) EXPECT_TRUE(in.intact[ch][i]) << sizes[i];
+  }
+  conn->close();
+  ASSERT_TRUE(in.wait_closed());
+  EXPECT_EQ(in.closed_reason()->code(), ErrorCode::kClosed);
+  EXPECT_EQ(child.wait_exit(), 0);
+  EXPECT_TRUE(mem.wait_all_released());
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ProcessTest,
+                         ::testing::Values(Mode{"tcp", Kind::kTcp, ZeroCopy::kWritev},
+                                           Mode{"tcp-sendfile", Kind::kTcp, ZeroCopy::kSendfile},
+                                           Mode{"shm", Kind::kShm, ZeroCopy::kWritev}),
+                         [](const auto& p) {
+                           std::string n = p.param.name;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
+
+TEST(ShmProcess, CrashedPeerIsDetectedAndItsResourcesReleased) {
+  const Mode m{"shm", Kind::kShm, ZeroCopy::kWritev};
+  auto t = Transport::create(server_options(m));
+  ASSERT_TRUE(t);
+  MemfdRegion mem(std::size_t{16} << 20);
+  auto rid = (*t)->register_memory(mem.region());
+  ASSERT_TRUE(rid);
+  mem.set_region_id(*rid);
+  const std::size_t lanes_before = count_maps("ember-shm-lane");
+  const std::size_t fds_before = count_fds();
+  Inbox in;
+  auto l = (*t)->listen(listen_address(m, "crash"), {Role::kServer, 0}, in.acceptor(), in.handlers());
+  ASSERT_TRUE(l);
+  const std::size_t fds_listening = count_fds();
+  Child child({"--mode", "shm", "--connect", (*l)->address(), "--behaviour", "hold", "--channels", "2"});
+  ASSERT_TRUE(child.wait_line("READY"));
+  ASSERT_TRUE(in.wait_accepted(1));
+  auto conn = in.accepted_at(0);
+  EXPECT_EQ(count_maps("ember-shm-lane"), lanes_before + 4);  // 2 channels x 2 directions
+  std::atomic<int> completions{0};
+  for (int i = 0; i < 4; ++i) {
+    Buffer b = mem.make(1 << 20);
+    ASSERT_TRUE(conn->send(static_cast<std::uint32_t>(i % 2), std::move(b),
+                           [&](const Status&) { ++completions; }));
+  }
+  for (int i = 1; i <= 4; ++i) ASSERT_TRUE(child.wait_line("GOT " + std::to_string(i)));
+  EXPECT_EQ(mem.live(), 4);  // lent to the peer, which holds them
+  EXPECT_EQ(conn->stats().queued_bytes, 4u << 20);
+  child.signal(SIGKILL);
+  ASSERT_TRUE(in.wait_closed());
+  EXPECT_EQ(in.closed_reason()->code(), ErrorCode::kIo) << in.closed_reason()->to_string();
+  EXPECT_NE(in.closed_reason()->message().find("without goodbye"), std::string::npos);
+  // Released before on_closed ran: the lent Buffers, the lanes, the fds.
+  EXPECT_EQ(mem.live(), 0);
+  EXPECT_EQ(completions.load(), 4);  // every send completed (ok or with the error)
+  EXPECT_EQ(conn->stats().queued_bytes, 0u);
+  EXPECT_EQ(count_maps("ember-shm-lane"), lanes_before);
+  EXPECT_EQ(count_fds(), fds_listening + 1);  // + the read end of the child's stdout pipe
+  l->reset();
+  (void)fds_before;
+}
+
+TEST(ShmProcess, HungPeerIsDeclaredDeadByHeartbeat) {
+  const Mode m{"shm", Kind::kShm, ZeroCopy::kWritev};
+  Options o = server_options(m);
+  o.heartbeat_interval = 50ms;
+  o.heartbeat_timeout = 400ms;
+  auto t = Transport::create(o);
+  ASSERT_TRUE(t);
+  Inbox in;
+  auto l = (*t)->listen(listen_address(m, "hang"), {Role::kServer, 0}, in.acceptor(), in.handlers());
+  ASSERT_TRUE(l);
+  Child child({"--mode", "shm", "--connect", (*l)->address(), "--behaviour", "echo", "--channels", "2"});
+  ASSERT_TRUE(child.wait_line("READY"));
+  ASSERT_TRUE(in.wait_accepted(1));
+  child.signal(SIGSTOP);
+  ASSERT_TRUE(in.wait_closed(10s));
+  EXPECT_EQ(in.closed_reason()->code(), ErrorCode::kTimeout) << in.closed_reason()->to_string();
+  child.signal(SIGKILL);
+}
+
+TEST(TcpProcess, PeerKilledMidTransferClosesWithAnError) {
+  const Mode m{"tcp", Kind::kTcp, ZeroCopy::kWritev};
+  auto t = Transport::create(server_options(m));
+  ASSERT_TRUE(t);
+  Inbox in;
+  in.check_pattern_bytes = false;
+  auto l = (*t)->listen(listen_address(m, "kill"), {Role::kServer, 0}, in.acceptor(), in.handlers());
+  ASSERT_TRUE(l);
+  Child child({"--mode", "tcp", "--connect", (*l)->address(), "--behaviour", "flood", "--channels", "2"});
+  ASSERT_TRUE(child.wait_line("READY"));
+  ASSERT_TRUE(in.wait_count(0, 3));  // data is flowing
+  child.signal(SIGKILL);
+  ASSERT_TRUE(in.wait_closed());
+  const Error e = *in.closed_reason();
+  EXPECT_TRUE(e.code() == ErrorCode::kIo || e.code() == ErrorCode::kMalformedFrame) << e.to_string();
+}
+
+}  // namespace
+}  // namespace ember::transport
