@@ -70,6 +70,9 @@ struct MpscOptions {
   std::size_t max_producers = 64;
 };
 
+template <typename T, typename Hooks>
+class BlockingMpscRing;
+
 template <typename T, typename Hooks = NoPushHooks>
 class MpscRing {
  public:
@@ -121,6 +124,8 @@ class MpscRing {
 
    private:
     friend class MpscRing;
+    template <typename, typename>
+    friend class BlockingMpscRing;
     Producer(MpscRing* ring, Lane* lane, std::uint32_t index)
         : ring_(ring), lane_(lane), index_(index) {}
     void reset() noexcept {
@@ -227,6 +232,13 @@ class MpscRing {
   // consumed; fewer than `max` means every lane was seen empty.
   template <typename Fn>
   std::size_t consume(Fn&& fn, std::size_t max) {
+    return consume(fn, max, [](std::uint32_t, Lane&, std::size_t) {});
+  }
+
+  // Same, and calls on_lane(lane_index, lane, n) after taking n > 0 items
+  // from a lane (BlockingMpscRing wakes that lane's waiting producer there).
+  template <typename Fn, typename OnLane>
+  std::size_t consume(Fn&& fn, std::size_t max, OnLane&& on_lane) {
     const std::uint32_t num_lanes = config_.claims->high_water();
     if (num_lanes == 0 || max == 0) return 0;
     std::uint32_t start = next_lane_ < num_lanes ? next_lane_ : 0;
@@ -238,7 +250,12 @@ class MpscRing {
       // acquire pairs with the release store in lane_for_claimed(): the
       // lane's construction happens before we use it.
       Lane* lane = config_.lanes[i].load(std::memory_order_acquire);
-      if (lane != nullptr) done += lane->consume(fn, max - done);
+      if (lane == nullptr) continue;
+      const std::size_t n = lane->consume(fn, max - done);
+      if (n != 0) {
+        done += n;
+        on_lane(i, *lane, n);
+      }
     }
     return done;
   }
@@ -339,6 +356,20 @@ class MpscRing {
     Lane* lane = lane_for_claimed(*index);
     detail::add_thread_lane(config_.id, lane, *index, config_.claims);
     return lane;
+  }
+
+  template <typename, typename>
+  friend class BlockingMpscRing;
+
+  // Index of a lane object (slow path of blocking pushes only).
+  std::uint32_t index_of(const Lane* lane) const noexcept {
+    const std::uint32_t num_lanes = config_.claims->high_water();
+    for (std::uint32_t i = 0; i < num_lanes; ++i) {
+      // relaxed: the caller owns `lane`, whose pointer it has seen already.
+      if (config_.lanes[i].load(std::memory_order_relaxed) == lane) return i;
+    }
+    EMBER_CHECK_MSG(false, "lane {} is not a lane of this MpscRing", static_cast<const void*>(lane));
+    return 0;
   }
 
   tl::unexpected<Error> lanes_exhausted_error() const {

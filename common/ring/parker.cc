@@ -3,8 +3,10 @@
 #include <cerrno>
 #include <ctime>
 
+#include <linux/futex.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "common/base/check.h"
@@ -52,6 +54,44 @@ bool Parker::wait_readable(std::chrono::nanoseconds timeout) noexcept {
     return false;
   }
   return rc > 0;
+}
+
+namespace {
+
+// std::atomic<std::uint32_t> is a plain 32-bit word (static_assert below),
+// the layout the futex system call needs.
+static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
+
+long futex(std::atomic<std::uint32_t>* word, int op, std::uint32_t value,
+           const timespec* timeout) noexcept {
+  return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), op, value, timeout, nullptr,
+                   0);
+}
+
+}  // namespace
+
+void FutexFlag::sleep(std::chrono::nanoseconds timeout) noexcept {
+  if (timeout <= std::chrono::nanoseconds::zero()) return;
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(timeout);
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(seconds.count());
+  ts.tv_nsec = static_cast<long>((timeout - seconds).count());
+  sleeps_.fetch_add(1, std::memory_order_relaxed);  // statistic
+  // Sleeps only while the word is still 1 (EAGAIN otherwise: a wake() came
+  // first). ETIMEDOUT and EINTR return to the caller, which re-checks.
+  if (futex(&word_, FUTEX_WAIT_PRIVATE, 1, &ts) != 0) {
+    EMBER_CHECK_MSG(errno == EAGAIN || errno == ETIMEDOUT || errno == EINTR,
+                    "futex wait on a ring lane failed: errno {}", errno);
+  }
+}
+
+void FutexFlag::wake() noexcept {
+  // relaxed: only one waker pays the syscall; the condition itself is
+  // carried by the ring positions (release/acquire).
+  if (word_.exchange(0, std::memory_order_relaxed) != 0) {
+    wakes_.fetch_add(1, std::memory_order_relaxed);  // statistic
+    futex(&word_, FUTEX_WAKE_PRIVATE, 1, nullptr);
+  }
 }
 
 }  // namespace ember::ring

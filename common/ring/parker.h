@@ -188,4 +188,45 @@ class Parker {
   std::atomic<std::uint64_t> signals_{0};
 };
 
+// A sleep/wake flag on a futex, with the same Dekker-style protocol as
+// Parker: the sleeper arms the flag, fences, re-checks its condition and
+// only then sleeps; the waker changes the condition, fences, and wakes only
+// if the flag is armed. Used by BlockingMpscRing for producers that wait for
+// space in their lane (one FutexFlag per lane).
+//
+// Thread-safety: one sleeper at a time (arm/disarm/sleep), any number of
+// wakers (armed_after_fence/wake). No call allocates; sleep() blocks.
+class alignas(kFalseSharingBytes) FutexFlag {
+ public:
+  // Sleeper: announce the intent to sleep; then re-check the condition.
+  void arm() noexcept {
+    // relaxed: ordered by the fence; pairs with armed_after_fence().
+    word_.store(1, std::memory_order_relaxed);
+    Parker::fence_seq_cst();
+  }
+  // Sleeper: the condition held after all (or the sleep ended).
+  void disarm() noexcept { word_.store(0, std::memory_order_relaxed); }
+  // Sleeper, after arm() and a failed re-check: sleeps until wake() or
+  // `timeout`. Returns at once if a wake() already came. Spurious returns
+  // are possible; the caller re-checks.
+  void sleep(std::chrono::nanoseconds timeout) noexcept;
+
+  // Waker, after changing the condition: is a sleeper (about to be) asleep?
+  bool armed_after_fence() const noexcept {
+    Parker::fence_seq_cst();  // pairs with the fence in arm()
+    return word_.load(std::memory_order_relaxed) != 0;  // ordered by the fence
+  }
+  // Waker: wakes the sleeper if still armed (one waker pays the syscall).
+  void wake() noexcept;
+
+  // Futex waits entered and wake-ups issued (statistics, relaxed).
+  std::uint64_t num_sleeps() const noexcept { return sleeps_.load(std::memory_order_relaxed); }
+  std::uint64_t num_wakes() const noexcept { return wakes_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::uint32_t> word_{0};
+  std::atomic<std::uint64_t> sleeps_{0};
+  std::atomic<std::uint64_t> wakes_{0};
+};
+
 }  // namespace ember::ring

@@ -92,7 +92,9 @@ TEST(BlockingMpscRing, BatchPushWakesAndBatchPopDrains) {
     ASSERT_EQ(ring->try_push_batch(items.data(), items.size()), 5u);
   });
   std::vector<int> out(16);
+  const auto start = std::chrono::steady_clock::now();
   std::size_t got = ring->pop_batch_wait(out.data(), out.size(), 20s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "the batch push did not wake the consumer";
   producer.join();
   while (got < 5) {
     const std::size_t n = ring->try_pop_batch(out.data() + got, out.size() - got);
@@ -100,6 +102,54 @@ TEST(BlockingMpscRing, BatchPushWakesAndBatchPopDrains) {
     got += n;
   }
   for (int i = 0; i < 5; ++i) EXPECT_EQ(out[static_cast<std::size_t>(i)], i + 1);
+}
+
+TEST(BlockingMpscRing, PushWaitTimesOutOnAFullLane) {
+  auto ring = IntRing::create({.lane_capacity = 2, .max_producers = 2}, kParkAtOnce).value();
+  auto producer = ring->make_producer().value();
+  std::vector<int> items{1, 2, 3};
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(producer.push_batch_wait(items.data(), items.size(), 20ms), 2u);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 20ms);
+  EXPECT_FALSE(producer.push_wait(4, 0ms));
+}
+
+TEST(BlockingMpscRing, SleepingProducerIsWokenOnceHalfItsLaneIsFree) {
+  auto ring = IntRing::create({.lane_capacity = 4, .max_producers = 2}, kParkAtOnce).value();
+  std::atomic<bool> pushed{false};
+  std::thread producer([&] {
+    auto handle = ring->make_producer().value();
+    std::vector<int> items{0, 1, 2, 3, 4, 5};
+    EXPECT_EQ(handle.push_batch_wait(items.data(), items.size(), 20s), 6u);
+    pushed = true;
+  });
+  ASSERT_TRUE(wait_until([&] { return ring->num_producer_sleeps() >= 1; }, 10s));
+  int out = -1;
+  ASSERT_TRUE(ring->try_pop(out));
+  EXPECT_EQ(out, 0);
+  EXPECT_EQ(ring->num_producer_wakes(), 0u) << "one free slot of four is below the wake mark";
+  ASSERT_TRUE(ring->try_pop(out));
+  EXPECT_EQ(out, 1);
+  EXPECT_EQ(ring->num_producer_wakes(), 1u) << "half the lane is free: the producer is woken";
+  ASSERT_TRUE(wait_until([&] { return pushed.load(); }, 10s)) << "the producer was not woken";
+  producer.join();
+  for (int expected = 2; expected < 6; ++expected) {
+    ASSERT_TRUE(ring->try_pop(out));
+    EXPECT_EQ(out, expected);
+  }
+}
+
+TEST(BlockingMpscRing, AnyThreadPushWaitUsesTheThreadLane) {
+  auto ring = IntRing::create({.lane_capacity = 2, .max_producers = 1}, kParkAtOnce).value();
+  std::thread producer([&] {
+    for (int i = 0; i < 100; ++i) EXPECT_TRUE(ring->push_wait(int{i}, 20s));
+  });
+  for (int expected = 0; expected < 100; ++expected) {
+    int out = -1;
+    ASSERT_TRUE(ring->pop_wait(out, 20s));
+    ASSERT_EQ(out, expected);
+  }
+  producer.join();
 }
 
 // Ping-pong between two threads through two rings whose consumers park at

@@ -23,7 +23,7 @@ namespace {
 using namespace std::chrono_literals;
 using testing::Tracked;
 
-constexpr std::uint64_t kScale = testing::kSanitized ? 10 : 1;
+constexpr std::uint64_t kScale = testing::kSanitized ? 4 : 1;
 // No wait in these tests may come near this; reaching it means a lost wake-up.
 constexpr auto kWaitTimeout = 10s;
 
@@ -65,14 +65,25 @@ class OrderChecker {
 };
 
 // Pushes `count` messages as producer `id` with random single and batch
-// pushes; yields when the lane is full.
+// pushes; yields when the lane is full, or (wait == true) uses the waiting
+// pushes, which sleep until the consumer frees space.
 template <typename Producer>
-void produce(Producer& producer, std::uint32_t id, std::uint64_t count, std::uint64_t seed) {
+void produce(Producer& producer, std::uint32_t id, std::uint64_t count, std::uint64_t seed,
+             bool wait) {
   std::mt19937_64 rng(seed + id);
   std::vector<Msg> batch;
   std::uint64_t seq = 0;
   while (seq < count) {
-    if (rng() % 2 == 0) {
+    if (wait) {
+      const std::uint64_t n = std::min<std::uint64_t>(1 + rng() % 64, count - seq);
+      batch.clear();
+      for (std::uint64_t i = 0; i < n; ++i) batch.push_back(Msg{id, 0, seq + i});
+      if (producer.push_batch_wait(batch.data(), n, kWaitTimeout) != n) {
+        ADD_FAILURE() << "producer " << id << " waited the full timeout for space";
+        return;
+      }
+      seq += n;
+    } else if (rng() % 2 == 0) {
       while (!producer.try_push(Msg{id, 0, seq})) std::this_thread::yield();
       ++seq;
     } else {
@@ -90,7 +101,7 @@ void produce(Producer& producer, std::uint32_t id, std::uint64_t count, std::uin
   }
 }
 
-void run_eight_producers(std::size_t lane_capacity, const ParkOptions& park) {
+void run_eight_producers(std::size_t lane_capacity, const ParkOptions& park, bool wait) {
   constexpr std::uint32_t kProducers = 8;
   const std::uint64_t per_producer = 200'000 / kScale;
   const std::uint64_t seed = testing::test_seed("EightProducersOneConsumer");
@@ -101,7 +112,7 @@ void run_eight_producers(std::size_t lane_capacity, const ParkOptions& park) {
   for (std::uint32_t p = 0; p < kProducers; ++p) {
     producers.emplace_back([&, p] {
       auto handle = ring->make_producer().value();
-      produce(handle, p, per_producer, seed);
+      produce(handle, p, per_producer, seed, wait);
     });
   }
   OrderChecker checker(kProducers);
@@ -128,13 +139,19 @@ void run_eight_producers(std::size_t lane_capacity, const ParkOptions& park) {
 }
 
 TEST(RingStress, EightProducersOneConsumerNoLossNoDuplicatesInOrder) {
-  run_eight_producers(1024, ParkOptions{});
+  run_eight_producers(1024, ParkOptions{}, /*wait=*/false);
+}
+
+// Producers that sleep for space (push_batch_wait) on small lanes: the
+// producer sleep/wake protocol on almost every batch.
+TEST(RingStress, EightWaitingProducersSmallLanes) {
+  run_eight_producers(16, ParkOptions{.spin_iterations = 0, .yield_iterations = 0}, /*wait=*/true);
 }
 
 // Tiny lanes and an always-parking consumer: full lanes and sleep/wake
 // races on almost every operation.
 TEST(RingStress, EightProducersTinyLanesParkingConsumer) {
-  run_eight_producers(4, ParkOptions{.spin_iterations = 0, .yield_iterations = 0});
+  run_eight_producers(4, ParkOptions{.spin_iterations = 0, .yield_iterations = 0}, /*wait=*/false);
 }
 
 // Any-thread pushes with non-trivial elements and lane churn: 24 threads in
