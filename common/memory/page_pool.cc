@@ -330,8 +330,17 @@ Result<std::unique_ptr<PagePool>> PagePool::create(const PoolOptions& options) {
   const std::uint64_t huge_mapped_bytes =
       region->backing == Backing::kHugetlb ? vma.hugetlb_bytes : vma.pmd_mapped_bytes;
 
-  std::unique_ptr<PagePool> pool(new PagePool(options, region->fd, region->base, length_bytes,
-                                              region->backing, huge_mapped_bytes));
+  std::unique_ptr<PagePool> pool;
+  try {
+    pool.reset(new PagePool(options, region->fd, region->base, length_bytes, region->backing,
+                            huge_mapped_bytes));
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kUnavailable,
+                      "page pool '{}': no memory for the block tables of {} ({} bytes per 4 KiB); "
+                      "lower prealloc_pages",
+                      options.name, format_bytes(length_bytes),
+                      2 * sizeof(std::uint32_t) + 2 * sizeof(std::uint8_t));
+  }
   region->fd = -1;  // now owned by the pool
   region->base = nullptr;
 

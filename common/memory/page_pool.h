@@ -25,15 +25,17 @@
 // lazily from the region with an atomic bump pointer; a freed block goes back
 // to its class and is never returned to the OS nor given to another class.
 // In front of each class's shared free list sits a per-thread cache (a
-// magazine of up to 64 blocks per class, and at most 1/256 of the region per
-// class and thread, so caches strand little memory: in a 128 MiB pool the
+// magazine of up to 64 blocks per class), so the common allocate/free is a
+// few loads and stores on thread-private memory. A magazine holds at most
+// 1/256 of the region, so caches strand little memory: in a 128 MiB pool the
 // classes of 1 MiB and up are uncached, in a 1 GiB pool those of 16 MiB and
-// up), so the common allocate/free is a few loads and stores on
-// thread-private memory. Magazines exchange half their blocks with the shared list as one
-// linked chain in one compare-and-swap (the transfer-cache idea of tcmalloc).
-// The shared lists are Treiber stacks with a 32-bit ABA tag; their links live in
-// a side table, never inside the blocks, so a block's bytes are only ever
-// written by its owner.
+// up; an uncached call costs one compare-and-swap on the shared list. A
+// magazine that runs empty or full exchanges half its blocks with the shared
+// list as one linked chain in one compare-and-swap (the transfer cache of
+// tcmalloc). The shared lists are Treiber stacks with a 32-bit ABA tag; their
+// links live in a side table, never inside the blocks, so a block's bytes are
+// only ever written by its owner. A thread that uses more than 32 pools at
+// once goes uncached for the others.
 //
 // Thread-safety: allocate, free, flush_thread_cache, block_at, contains and
 // stats may be called from any thread at the same time. A block may be freed
@@ -143,8 +145,9 @@ class PagePool {
   // Reserves, maps and (by default) pre-faults the region. Blocking; takes
   // milliseconds per GiB. Errors: kInvalidArgument (prealloc_pages == 0),
   // kTooLarge (prealloc_pages > kMaxPreallocPages), kUnavailable (an explicit
-  // backing cannot be had; the message names the setting to change), kIo (a
-  // system call failed, e.g. not enough memory to pre-fault).
+  // backing cannot be had, the message naming the setting to change; or no
+  // heap memory for the block tables, about 10 bytes per 4 KiB of region),
+  // kIo (a system call failed, e.g. not enough memory to pre-fault).
   static Result<std::unique_ptr<PagePool>> create(const PoolOptions& options);
 
   // Unmaps the region and closes the memfd. Blocks still in use dangle (a
