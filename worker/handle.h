@@ -1,0 +1,141 @@
+// Handle: the caller's side of one asynchronous worker operation (init,
+// push, pull, push_pull, barrier, set_learning_rate, checkpoint).
+//
+// An operation is made of parts — one reply per tensor chunk, plus one send
+// completion per chunk sent zero-copy — completed by the worker's I/O
+// threads. The operation is done when every part is in, or at the first
+// error (a server's error reply, a lost connection, a send failure, or
+// [worker] request_timeout passing). Errors reach the caller as values:
+// wait() returns Result<std::uint64_t>, whose value is the operation's
+// step: for init, pull and push_pull the step to compute next (the smallest
+// over the tensor's chunks), for push the step pushed, for barrier its
+// generation, for checkpoint the sequence number of the checkpoint written.
+//
+// Buffers passed to an operation (gradients, pull destinations) must stay
+// valid and unchanged until the operation is done; after done, no worker
+// thread touches them again (a reply that arrives after a timeout is
+// dropped).
+//
+// Boost.Asio: async_wait(executor, token) completes with signature
+// void(ember::Result<std::uint64_t>) on `executor` — a callback, a
+// use_future, use_awaitable, or any other completion token.
+//
+// Thread-safety: a Handle is a shared reference; copies may be waited on from
+// several threads at once. An empty (default) Handle is invalid: wait()
+// returns kInvalidArgument.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/post.hpp>
+
+#include "common/base/error.h"
+
+namespace ember {
+
+namespace worker_detail {
+
+// Shared completion state. `mutex` also orders a reply's copy into the
+// caller's buffer against the operation finishing (timeout): a copy happens
+// only while the operation is not done.
+struct Op {
+  explicit Op(std::uint32_t parts) : remaining(parts) {}
+
+  // Completes one part: with `step` (folded by min; nullopt for parts that
+  // carry none, like send completions) or an error (the first error wins and
+  // finishes the operation). Returns true if this call finished the
+  // operation. Thread-safe.
+  bool complete_part(std::optional<std::uint64_t> part_step);
+  bool fail(Error error);
+  // Adds `n` parts before any can complete (used while issuing).
+  void add_parts(std::uint32_t n);
+
+  using Callback = std::function<void(Result<std::uint64_t>)>;
+  // Runs `cb` once when done (at once, on this thread, when already done;
+  // otherwise on the thread that finishes the operation).
+  void on_done(Callback cb);
+
+  Result<std::uint64_t> result_locked() const;
+
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::uint32_t remaining = 0;
+  bool done = false;
+  std::optional<Error> error;
+  std::uint64_t step = ~std::uint64_t{0};
+  bool step_set = false;
+  std::vector<Callback> callbacks;
+  // Runs under `mutex` just before the operation is marked done, so waiters
+  // see its effects (the worker records a key's resume step here). Must not
+  // block or touch this Op.
+  std::function<void(const Result<std::uint64_t>&)> before_done;
+
+ private:
+  void finish_locked(std::unique_lock<std::mutex>& lock);
+};
+
+}  // namespace worker_detail
+
+class Handle {
+ public:
+  Handle() = default;
+  explicit Handle(std::shared_ptr<worker_detail::Op> op) : op_(std::move(op)) {}
+
+  // An already finished Handle (for errors found before anything was sent).
+  static Handle failed(Error error);
+  static Handle finished(std::uint64_t step);
+
+  bool valid() const noexcept { return op_ != nullptr; }
+  // True when done (successfully or not). Never blocks.
+  bool ready() const;
+
+  // Blocks until done. The worker's request_timeout bounds the wait: the
+  // operation fails with kTimeout then. Errors: whatever the operation
+  // failed with (the server's code and message, kClosed for a lost
+  // connection, kTimeout), kInvalidArgument for an empty Handle.
+  Result<std::uint64_t> wait() const;
+
+  // Waits at most `timeout`. Errors: as wait(), plus kTimeout when the
+  // operation is still running (it keeps running; wait again later).
+  Result<std::uint64_t> wait_for(std::chrono::nanoseconds timeout) const;
+
+  // Boost.Asio: the handler runs on `executor` (posted) when the operation is
+  // done, with the Result. Initiation never blocks.
+  template <typename Executor, typename CompletionToken>
+  auto async_wait(const Executor& executor, CompletionToken&& token) const {
+    using Signature = void(Result<std::uint64_t>);
+    return boost::asio::async_initiate<CompletionToken, Signature>(
+        [op = op_, executor](auto handler) {
+          auto shared = std::make_shared<decltype(handler)>(std::move(handler));
+          auto deliver = [executor, shared](Result<std::uint64_t> r) {
+            boost::asio::post(executor, [shared, r = std::move(r)]() mutable {
+              (*shared)(std::move(r));
+            });
+          };
+          if (!op) {
+            deliver(Result<std::uint64_t>(tl::unexpected(
+                Error(ErrorCode::kInvalidArgument, "async_wait on an empty Handle"))));
+            return;
+          }
+          op->on_done(std::move(deliver));
+        },
+        token);
+  }
+
+ private:
+  std::shared_ptr<worker_detail::Op> op_;
+};
+
+// Waits for every handle; returns the first error (all are waited for).
+Status wait_all(const std::vector<Handle>& handles);
+
+}  // namespace ember

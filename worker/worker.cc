@@ -1,0 +1,896 @@
+// The worker client: request issue, reply matching, reconnects, timeouts and
+// the pipeline scope. Semantics in worker.h.
+#include "worker/worker.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <queue>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "common/base/logging.h"
+#include "common/memory/page_pool.h"
+#include "common/placement/placement.h"
+#include "common/proto/message.h"
+#include "common/proto/runtime.h"
+#include "common/ring/mpsc_ring.h"
+#include "common/transport/transport.h"
+
+namespace ember {
+
+using worker_detail::Op;
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------
+// TensorBuffer
+
+TensorBuffer::TensorBuffer(TensorBuffer&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)),
+      pool_(std::exchange(o.pool_, nullptr)),
+      block_offset_(o.block_offset_),
+      size_class_(o.size_class_) {}
+
+TensorBuffer& TensorBuffer::operator=(TensorBuffer&& o) noexcept {
+  if (this != &o) {
+    release();
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    pool_ = std::exchange(o.pool_, nullptr);
+    block_offset_ = o.block_offset_;
+    size_class_ = o.size_class_;
+  }
+  return *this;
+}
+
+TensorBuffer::~TensorBuffer() { release(); }
+
+void TensorBuffer::release() noexcept {
+  if (data_ == nullptr) return;
+  if (pool_ != nullptr) {
+    if (auto block = pool_->block_at(block_offset_, size_)) pool_->free(*block);
+  } else {
+    std::free(data_);
+  }
+  data_ = nullptr;
+  size_ = 0;
+  pool_ = nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// Impl
+
+namespace {
+
+constexpr std::uint32_t kPendingShards = 16;
+
+struct PendingReq {
+  std::shared_ptr<Op> op;
+  proto::MsgType type = proto::MsgType::kPush;
+  std::byte* dest = nullptr;  // pull / push_pull destination of this chunk; join body
+  std::uint64_t dest_bytes = 0;
+  std::uint32_t server = 0;
+  std::uint64_t conn_gen = 0;
+};
+
+// request id → waiting request, sharded to keep I/O and app threads apart.
+class PendingTable {
+ public:
+  void insert(std::uint64_t id, PendingReq req) {
+    Shard& s = shard(id);
+    std::lock_guard lock(s.mutex);
+    s.map.emplace(id, std::move(req));
+  }
+  std::optional<PendingReq> take(std::uint64_t id) {
+    Shard& s = shard(id);
+    std::lock_guard lock(s.mutex);
+    auto it = s.map.find(id);
+    if (it == s.map.end()) return std::nullopt;
+    PendingReq r = std::move(it->second);
+    s.map.erase(it);
+    return r;
+  }
+  // Removes every request sent to `server` over connection generation `gen`.
+  std::vector<PendingReq> take_connection(std::uint32_t server, std::uint64_t gen) {
+    std::vector<PendingReq> out;
+    for (Shard& s : shards_) {
+      std::lock_guard lock(s.mutex);
+      for (auto it = s.map.begin(); it != s.map.end();) {
+        if (it->second.server == server && it->second.conn_gen == gen) {
+          out.push_back(std::move(it->second));
+          it = s.map.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    return out;
+  }
+
+ private:
+  struct Shard {
+    std::mutex mutex;
+    std::unordered_map<std::uint64_t, PendingReq> map;
+  };
+  Shard& shard(std::uint64_t id) { return shards_[id % kPendingShards]; }
+  std::array<Shard, kPendingShards> shards_;
+};
+
+struct KeyState {
+  std::vector<std::uint64_t> shape;
+  std::uint64_t num_elements = 0;
+  std::vector<placement::Chunk> chunks;
+  std::atomic<std::uint64_t> next_step{0};
+};
+
+// One request ready to go to a server channel.
+struct Outgoing {
+  std::uint32_t server = 0;
+  std::uint32_t channel = 0;
+  proto::Header header;
+  std::array<std::uint64_t, proto::kMaxDims> dims{};
+  std::span<const std::byte> data;  // tensor bytes to send (push, init)
+  std::shared_ptr<Op> op;
+  PendingReq pending;  // what to register under header.request_id
+};
+
+using ChannelRing = ring::MpscRing<Outgoing>;
+
+struct ServerLink {
+  std::uint32_t index = 0;
+  std::string address;
+  std::mutex mutex;  // guards conn, gen (reconnects)
+  std::shared_ptr<transport::Connection> conn;
+  std::uint64_t gen = 0;
+  std::vector<std::unique_ptr<std::mutex>> channel_mutex;  // keeps header+payload adjacent
+  std::vector<std::unique_ptr<ChannelRing>> rings;         // pipeline queues
+  std::vector<std::unique_ptr<std::mutex>> ring_consumer;  // one flusher per ring
+};
+
+std::uint64_t product(std::span<const std::uint64_t> shape, bool& overflow) {
+  std::uint64_t n = 1;
+  overflow = false;
+  for (std::uint64_t d : shape) {
+    if (d != 0 && n > proto::kMaxElements / d) overflow = true;
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace
+
+struct Worker::Impl {
+  config::Config config;
+  std::shared_ptr<spdlog::logger> log = log::logger("worker");
+  std::unique_ptr<memory::PagePool> pool;
+  std::atomic<std::uint32_t> region_id{transport::MemoryLocation::kNoRegion};
+  transport::Kind kind = transport::Kind::kTcp;
+  std::uint32_t num_channels = 1;
+  std::uint64_t small_limit = 0;
+  std::unique_ptr<transport::Transport> transport;
+  std::vector<std::unique_ptr<ServerLink>> servers;
+  PendingTable pending;
+  std::atomic<std::uint64_t> next_request_id{1};
+  std::atomic<std::uint64_t> barrier_count{0};
+
+  mutable std::shared_mutex keys_mutex;
+  std::unordered_map<Key, std::shared_ptr<KeyState>> keys;
+
+  // Request deadlines.
+  struct Timer {
+    Clock::time_point deadline;
+    std::weak_ptr<Op> op;
+    bool operator>(const Timer& o) const { return deadline > o.deadline; }
+  };
+  std::mutex timer_mutex;
+  std::condition_variable timer_cv;
+  std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers;
+  bool stopping = false;
+  std::thread timer_thread;
+
+  ~Impl() { stop(); }
+
+  void stop() {
+    {
+      std::lock_guard lock(timer_mutex);
+      if (stopping) return;
+      stopping = true;
+    }
+    timer_cv.notify_all();
+    if (timer_thread.joinable()) timer_thread.join();
+    for (auto& s : servers) {
+      std::lock_guard lock(s->mutex);
+      if (s->conn) s->conn->close(std::chrono::milliseconds(200));
+    }
+    for (auto& s : servers) {
+      for (auto& r : s->rings) {
+        r->consume([](Outgoing& o) { o.op->fail(Error(ErrorCode::kClosed, "worker destroyed")); },
+                   ~std::size_t{0});
+      }
+    }
+    transport.reset();  // runs on_closed: pending operations fail with kClosed
+  }
+
+  // ---- setup ----
+  Status init(const config::Config& cfg);
+  Result<std::shared_ptr<transport::Connection>> connect(ServerLink& link, std::uint64_t gen);
+  Status join(ServerLink& link);
+  Result<std::shared_ptr<transport::Connection>> connection(ServerLink& link, std::uint64_t& gen);
+
+  // ---- I/O callbacks ----
+  void on_reply(std::uint32_t server, std::uint64_t gen, transport::Connection& conn,
+                transport::Incoming&& msg);
+  void on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason);
+
+  // ---- issue ----
+  std::shared_ptr<Op> new_op(std::uint32_t parts);
+  std::uint64_t new_request_id() { return next_request_id.fetch_add(1, std::memory_order_relaxed); }
+  void send(Outgoing&& o, bool flush_now);
+  void flush_ring(ServerLink& link, std::uint32_t channel);
+  Status flush_all_rings();
+  void issue(Outgoing&& o, bool pipelined);
+  std::shared_ptr<KeyState> key_state(Key key) const {
+    std::shared_lock lock(keys_mutex);
+    auto it = keys.find(key);
+    return it == keys.end() ? nullptr : it->second;
+  }
+  bool is_large(std::uint64_t data_bytes, const proto::Header& h) const {
+    return data_bytes > 0 && proto::prefix_bytes(h) + data_bytes > small_limit;
+  }
+
+  Handle init_key(Key key, std::span<const std::uint64_t> shape, std::span<const float> values);
+  Handle tensor_op(proto::MsgType type, Key key, std::span<const float> gradient,
+                   std::span<float> out, std::optional<std::uint64_t> step, bool pipelined);
+  Handle broadcast(proto::MsgType type, std::span<const std::byte> payload, proto::DType dtype,
+                   std::uint64_t num_elements, bool server0_only, std::uint64_t step);
+
+  void timer_loop();
+};
+
+Status Worker::Impl::init(const config::Config& cfg) {
+  config = cfg;
+  EMBER_TRY(config::validate(config, "config"));
+  EMBER_ASSIGN_OR_RETURN(pool, proto::make_pool(config, fmt::format("worker{}", config.worker.rank)));
+  EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config));
+  kind = topts.kind;
+  num_channels = topts.num_channels;
+  small_limit = config.communication.batch_threshold_bytes > 512
+                    ? config.communication.batch_threshold_bytes - 256
+                    : 256;
+  topts.receive_allocator = [this](std::uint64_t size) -> Result<transport::Buffer> {
+    return proto::pool_receive_allocator(*pool, region_id.load(std::memory_order_acquire))(size);
+  };
+  EMBER_ASSIGN_OR_RETURN(transport, transport::Transport::create(std::move(topts)));
+  transport::Transport::Region region{pool->base(), pool->length_bytes(), pool->fd()};
+  EMBER_ASSIGN_OR_RETURN(const std::uint32_t rid, transport->register_memory(region));
+  region_id.store(rid, std::memory_order_release);
+
+  ring::MpscOptions ro;
+  ro.lane_capacity = 1024;
+  ro.max_producers = 64;
+  for (std::uint32_t i = 0; i < config.cluster.servers.size(); ++i) {
+    auto link = std::make_unique<ServerLink>();
+    link->index = i;
+    link->address = proto::endpoint_address(kind, config.cluster.servers[i]);
+    for (std::uint32_t c = 0; c < num_channels; ++c) {
+      link->channel_mutex.push_back(std::make_unique<std::mutex>());
+      link->ring_consumer.push_back(std::make_unique<std::mutex>());
+      EMBER_ASSIGN_OR_RETURN(auto r, ChannelRing::create(ro));
+      link->rings.push_back(std::move(r));
+    }
+    servers.push_back(std::move(link));
+  }
+  timer_thread = std::thread([this] { timer_loop(); });
+  for (auto& link : servers) {
+    std::uint64_t gen = 0;
+    EMBER_TRY(connection(*link, gen));
+  }
+  log->info("worker {} of {} connected to {} server(s) over {} ({} channel(s))", config.worker.rank,
+            config.cluster.num_workers, servers.size(), transport::kind_name(kind), num_channels);
+  return ok_status();
+}
+
+Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink& link,
+                                                                    std::uint64_t gen) {
+  transport::Handlers handlers;
+  const std::uint32_t s = link.index;
+  handlers.on_message = [this, s, gen](transport::Connection& c, transport::Incoming&& m) {
+    on_reply(s, gen, c, std::move(m));
+  };
+  handlers.on_closed = [this, s, gen](transport::Connection&, const Error& reason) {
+    on_closed(s, gen, reason);
+  };
+  const std::uint32_t attempts = config.worker.connect_retries + 1;
+  std::chrono::milliseconds backoff(50);
+  Error last;
+  for (std::uint32_t attempt = 1; attempt <= attempts; ++attempt) {
+    auto conn = transport->connect(
+        link.address, transport::LocalIdentity{transport::Role::kWorker, config.worker.rank},
+        handlers);
+    if (conn) return std::move(*conn);
+    last = conn.error();
+    const ErrorCode code = last.code();
+    if (code == ErrorCode::kAuth || code == ErrorCode::kVersionMismatch ||
+        code == ErrorCode::kProtocol || code == ErrorCode::kConfig ||
+        code == ErrorCode::kInvalidArgument) {
+      break;  // retrying cannot help
+    }
+    {
+      std::unique_lock lock(timer_mutex);
+      if (stopping) break;
+      // Back-off between attempts (the server may still be starting); a
+      // Worker being destroyed interrupts it.
+      timer_cv.wait_for(lock, backoff, [&] { return stopping; });
+    }
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
+  last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (after {} attempt(s); "
+                                "[worker] connect_retries, connect_timeout)",
+                                config.worker.rank, link.index, link.address, attempts));
+  return tl::unexpected(last);
+}
+
+Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLink& link,
+                                                                       std::uint64_t& gen) {
+  std::unique_lock lock(link.mutex);
+  if (link.conn && !link.conn->is_closed()) {
+    gen = link.gen;
+    return link.conn;
+  }
+  const std::uint64_t new_gen = link.gen + 1;
+  EMBER_ASSIGN_OR_RETURN(auto conn, connect(link, new_gen));
+  link.conn = conn;
+  link.gen = new_gen;
+  gen = new_gen;
+  lock.unlock();
+  if (Status s = join(link); !s) {
+    conn->close();
+    return tl::unexpected(s.error());
+  }
+  return conn;
+}
+
+Status Worker::Impl::join(ServerLink& link) {
+  proto::JoinReplyBody body{};
+  auto op = new_op(1);
+  Outgoing o;
+  o.server = link.index;
+  o.channel = 0;
+  o.header.type = proto::MsgType::kJoin;
+  o.header.worker_rank = config.worker.rank;
+  o.op = op;
+  o.pending.dest = reinterpret_cast<std::byte*>(&body);
+  o.pending.dest_bytes = sizeof body;
+  const proto::JoinRequestBody jb{config.cluster.num_workers,
+                                  static_cast<std::uint32_t>(config.cluster.servers.size()),
+                                  link.index, 0};
+  const auto jb_bytes = proto::encode_body(jb);
+  o.data = jb_bytes;
+  send(std::move(o), true);
+  Handle h(op);
+  auto r = h.wait();
+  if (!r) {
+    Error e = r.error();
+    e.with_context(fmt::format("joining server {} at {}", link.index, link.address));
+    return tl::unexpected(e);
+  }
+  log->debug("joined server {} ({}, {} shard(s))", link.index,
+             proto::consistency_name(static_cast<proto::Consistency>(body.consistency)),
+             body.num_shards);
+  return ok_status();
+}
+
+std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts) {
+  auto op = std::make_shared<Op>(parts);
+  {
+    std::lock_guard lock(timer_mutex);
+    timers.push(Timer{Clock::now() + config.worker.request_timeout, op});
+  }
+  timer_cv.notify_one();
+  return op;
+}
+
+void Worker::Impl::timer_loop() {
+  pthread_setname_np(pthread_self(), "ember-wtimer");
+  std::unique_lock lock(timer_mutex);
+  while (!stopping) {
+    if (timers.empty()) {
+      timer_cv.wait(lock, [&] { return stopping || !timers.empty(); });
+      continue;
+    }
+    const auto deadline = timers.top().deadline;
+    if (Clock::now() < deadline) {
+      timer_cv.wait_until(lock, deadline);
+      continue;
+    }
+    std::weak_ptr<Op> weak = timers.top().op;
+    timers.pop();
+    lock.unlock();
+    if (auto op = weak.lock()) {
+      op->fail(Error(ErrorCode::kTimeout,
+                     fmt::format("no reply within [worker] request_timeout ({})",
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     config.worker.request_timeout))));
+    }
+    lock.lock();
+  }
+}
+
+void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason) {
+  auto lost = pending.take_connection(server, gen);
+  if (!lost.empty() || (reason.code() != ErrorCode::kClosed && reason.code() != ErrorCode::kCancelled)) {
+    log->warn("connection to server {} ({}) closed: {}; {} request(s) failed", server,
+              servers[server]->address, reason.to_string(), lost.size());
+  }
+  for (auto& r : lost) {
+    r.op->fail(Error(ErrorCode::kClosed,
+                     fmt::format("connection to server {} ({}) lost before the reply: {}", server,
+                                 servers[server]->address, reason.to_string())));
+  }
+}
+
+void Worker::Impl::on_reply(std::uint32_t server, std::uint64_t /*gen*/, transport::Connection& conn,
+                            transport::Incoming&& msg) {
+  auto decoded = proto::decode(msg.bytes);
+  if (!decoded || !decoded->header.is_reply()) {
+    log->error("server {} sent a bad message ({}); closing the connection", server,
+               decoded ? "a request" : decoded.error().to_string());
+    conn.close();
+    return;
+  }
+  const proto::MessageView& m = *decoded;
+  const proto::Header& h = m.header;
+  auto req = pending.take(h.request_id);
+  if (!req) return;  // timed out earlier: dropped
+  Op& op = *req->op;
+  if (h.status != ErrorCode::kOk) {
+    op.fail(Error(h.status, fmt::format("server {}: {}", server, m.text())));
+    return;
+  }
+  switch (h.type) {
+    case proto::MsgType::kPull:
+    case proto::MsgType::kPushPull:
+    case proto::MsgType::kJoin: {
+      if (m.payload.size() != req->dest_bytes) {
+        op.fail(Error(ErrorCode::kProtocol,
+                      fmt::format("server {}: {} carries {} bytes, expected {}", server,
+                                  proto::describe(h), m.payload.size(), req->dest_bytes)));
+        return;
+      }
+      {
+        std::lock_guard lock(op.mutex);
+        // The one copy of a pull: receive buffer → the caller's tensor. Skipped
+        // when the operation already finished (timeout): the caller may have
+        // reused the memory.
+        if (!op.done && req->dest_bytes > 0) std::memcpy(req->dest, m.payload.data(), req->dest_bytes);
+      }
+      op.complete_part(h.step);
+      return;
+    }
+    default:
+      op.complete_part(h.step);
+      return;
+  }
+}
+
+void Worker::Impl::send(Outgoing&& o, bool flush_now) {
+  ServerLink& link = *servers[o.server];
+  std::uint64_t gen = 0;
+  auto conn = connection(link, gen);
+  if (!conn) {
+    o.op->fail(conn.error());
+    return;
+  }
+  o.header.request_id = o.header.request_id != 0 ? o.header.request_id : new_request_id();
+  o.pending.op = o.op;
+  o.pending.type = o.header.type;
+  o.pending.server = o.server;
+  o.pending.conn_gen = gen;
+  const std::uint64_t id = o.header.request_id;
+  pending.insert(id, std::move(o.pending));
+  auto fail = [&](Error e) {
+    pending.take(id);
+    e.with_context(fmt::format("sending {} to server {}", proto::msg_type_name(o.header.type), o.server));
+    o.op->fail(std::move(e));
+  };
+  const bool large = is_large(o.data.size(), o.header);
+  std::lock_guard channel_lock(*link.channel_mutex[o.channel]);
+  transport::Connection& c = **conn;
+  if (!large) {
+    thread_local std::vector<std::byte> buf;
+    const std::size_t prefix = proto::prefix_bytes(o.header);
+    buf.resize(prefix + o.data.size());
+    proto::encode_prefix(o.header, std::span(o.dims.data(), o.header.ndim), buf);
+    if (!o.data.empty()) std::memcpy(buf.data() + prefix, o.data.data(), o.data.size());
+    if (Status s = c.send(o.channel, buf); !s) return fail(s.error());
+  } else {
+    o.header.flags |= proto::kFlagPayloadFollows;
+    std::array<std::byte, proto::kHeaderBytes + 8 * proto::kMaxDims> head;
+    const std::size_t prefix = proto::prefix_bytes(o.header);
+    proto::encode_prefix(o.header, std::span(o.dims.data(), o.header.ndim), head);
+    if (Status s = c.send(o.channel, std::span(head.data(), prefix)); !s) return fail(s.error());
+    auto* bytes = const_cast<std::byte*>(o.data.data());
+    transport::Buffer payload;
+    if (pool->contains(bytes) && pool->contains(bytes + o.data.size() - 1)) {
+      transport::MemoryLocation loc;
+      loc.fd = pool->fd();
+      loc.fd_offset = static_cast<std::uint64_t>(bytes - pool->base());
+      loc.region_id = region_id.load(std::memory_order_acquire);
+      payload = transport::Buffer::borrow(std::span(bytes, o.data.size()), loc);
+    } else if (kind == transport::Kind::kTcp) {
+      payload = transport::Buffer::borrow(std::span(bytes, o.data.size()));
+    } else {
+      // shm sends by reference only from registered memory: one copy into the pool.
+      payload = proto::allocate_buffer(*pool, o.data.size(), region_id.load(std::memory_order_acquire));
+      std::memcpy(payload.data(), bytes, o.data.size());
+    }
+    std::shared_ptr<Op> op = o.op;
+    Status s = c.send(o.channel, std::move(payload), [op](const Status& st) {
+      if (st) {
+        op->complete_part(std::nullopt);
+      } else {
+        op->fail(st.error());
+      }
+    });
+    // On error the payload was released and the completion will not run.
+    if (!s) return fail(s.error());
+  }
+  if (flush_now) (void)c.flush(o.channel);
+}
+
+void Worker::Impl::flush_ring(ServerLink& link, std::uint32_t channel) {
+  std::lock_guard consumer(*link.ring_consumer[channel]);
+  link.rings[channel]->consume([this](Outgoing& o) { send(std::move(o), false); }, ~std::size_t{0});
+}
+
+Status Worker::Impl::flush_all_rings() {
+  Status first;
+  for (auto& link : servers) {
+    for (std::uint32_t c = 0; c < num_channels; ++c) flush_ring(*link, c);
+    std::shared_ptr<transport::Connection> conn;
+    {
+      std::lock_guard lock(link->mutex);
+      conn = link->conn;
+    }
+    if (conn) {
+      if (Status s = conn->flush_all(); !s && first) first = s;
+    }
+  }
+  return first;
+}
+
+void Worker::Impl::issue(Outgoing&& o, bool pipelined) {
+  if (!pipelined) {
+    send(std::move(o), true);
+    return;
+  }
+  ServerLink& link = *servers[o.server];
+  ChannelRing& ring = *link.rings[o.channel];
+  const std::uint32_t channel = o.channel;
+  if (ring.try_push(std::move(o))) return;
+  // Full (or no lane left for this thread): make room by sending what is queued.
+  flush_ring(link, channel);
+  if (ring.try_push(std::move(o))) return;
+  send(std::move(o), false);  // still no room (more threads than lanes): send directly
+}
+
+Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
+                              std::span<const float> values) {
+  if (shape.size() > proto::kMaxDims) {
+    return Handle::failed(Error(ErrorCode::kInvalidArgument,
+                                fmt::format("init of key {}: {} dimensions, at most {}", key,
+                                            shape.size(), proto::kMaxDims)));
+  }
+  bool overflow = false;
+  const std::uint64_t n = product(shape, overflow);
+  if (overflow || n > proto::kMaxElements) {
+    return Handle::failed(Error(ErrorCode::kInvalidArgument,
+                                fmt::format("init of key {}: shape [{}] is too large", key,
+                                            fmt::join(shape, ", "))));
+  }
+  const bool rank0 = config.worker.rank == 0;
+  if ((rank0 && values.size() != n) || (!rank0 && !values.empty() && values.size() != n)) {
+    return Handle::failed(Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("init of key {}: shape [{}] has {} elements but {} values were given{}", key,
+                    fmt::join(shape, ", "), n, values.size(),
+                    rank0 ? " (rank 0 provides the initial values)" : "")));
+  }
+  std::shared_ptr<KeyState> ks;
+  {
+    std::unique_lock lock(keys_mutex);
+    auto& slot = keys[key];
+    if (slot && !std::equal(slot->shape.begin(), slot->shape.end(), shape.begin(), shape.end())) {
+      return Handle::failed(Error(ErrorCode::kShapeMismatch,
+                                  fmt::format("key {} was init-ed here with shape [{}]; now [{}]",
+                                              key, fmt::join(slot->shape, ", "),
+                                              fmt::join(shape, ", "))));
+    }
+    if (!slot) {
+      slot = std::make_shared<KeyState>();
+      slot->shape.assign(shape.begin(), shape.end());
+      slot->num_elements = n;
+      slot->chunks = placement::chunk_plan(key, n * sizeof(float), sizeof(float),
+                                           config.server.partition_bytes,
+                                           static_cast<std::uint32_t>(servers.size()), num_channels);
+    }
+    ks = slot;
+  }
+  auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()));
+  op->before_done = [ks](const Result<std::uint64_t>& r) {
+    if (r) ks->next_step.store(*r, std::memory_order_release);
+  };
+  const auto value_bytes = std::as_bytes(values);
+  for (const placement::Chunk& ch : ks->chunks) {
+    Outgoing o;
+    o.server = ch.server;
+    o.channel = ch.channel;
+    o.op = op;
+    proto::Header& h = o.header;
+    h.type = proto::MsgType::kInit;
+    h.dtype = proto::DType::kFloat32;
+    h.key = key;
+    h.chunk_index = ch.index;
+    h.num_chunks = static_cast<std::uint32_t>(ks->chunks.size());
+    h.worker_rank = config.worker.rank;
+    h.ndim = static_cast<std::uint8_t>(shape.size());
+    h.num_elements = ch.length_bytes / sizeof(float);
+    h.offset_elements = ch.offset_bytes / sizeof(float);
+    std::copy(shape.begin(), shape.end(), o.dims.begin());
+    if (rank0) {
+      o.data = value_bytes.subspan(ch.offset_bytes, ch.length_bytes);
+      if (is_large(o.data.size(), h)) op->add_parts(1);
+    } else {
+      h.flags = proto::kFlagNoData;
+    }
+    issue(std::move(o), false);
+  }
+  return Handle(op);
+}
+
+Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const float> gradient,
+                               std::span<float> out, std::optional<std::uint64_t> step,
+                               bool pipelined) {
+  auto ks = key_state(key);
+  if (!ks) {
+    return Handle::failed(Error(ErrorCode::kNotFound,
+                                fmt::format("{} of key {}: the key was not init-ed by this worker; "
+                                            "call init(key, shape, values) first",
+                                            proto::msg_type_name(type), key)));
+  }
+  const bool sends = type == proto::MsgType::kPush || type == proto::MsgType::kPushPull;
+  const bool receives = type == proto::MsgType::kPull || type == proto::MsgType::kPushPull;
+  if ((sends && gradient.size() != ks->num_elements) || (receives && out.size() != ks->num_elements)) {
+    return Handle::failed(Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("{} of key {}: the tensor has {} elements but {} were given", proto::msg_type_name(type),
+                    key, ks->num_elements, sends ? gradient.size() : out.size())));
+  }
+  std::uint64_t s = 0;
+  if (step) {
+    s = *step;
+    if (sends) {
+      // Keep the counter ahead of explicit steps.
+      std::uint64_t cur = ks->next_step.load(std::memory_order_relaxed);
+      while (cur < s + 1 && !ks->next_step.compare_exchange_weak(cur, s + 1)) {
+      }
+    }
+  } else if (sends) {
+    s = ks->next_step.fetch_add(1, std::memory_order_acq_rel);
+  } else {
+    s = ks->next_step.load(std::memory_order_acquire);
+  }
+  auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()));
+  const auto grad_bytes = std::as_bytes(gradient);
+  const auto out_bytes = std::as_writable_bytes(out);
+  for (const placement::Chunk& ch : ks->chunks) {
+    Outgoing o;
+    o.server = ch.server;
+    o.channel = ch.channel;
+    o.op = op;
+    proto::Header& h = o.header;
+    h.type = type;
+    h.dtype = proto::DType::kFloat32;
+    h.key = key;
+    h.step = s;
+    h.chunk_index = ch.index;
+    h.num_chunks = static_cast<std::uint32_t>(ks->chunks.size());
+    h.worker_rank = config.worker.rank;
+    h.num_elements = ch.length_bytes / sizeof(float);
+    h.offset_elements = ch.offset_bytes / sizeof(float);
+    if (sends) {
+      o.data = grad_bytes.subspan(ch.offset_bytes, ch.length_bytes);
+      if (is_large(o.data.size(), h)) op->add_parts(1);
+    }
+    if (receives) {
+      o.pending.dest = out_bytes.data() + ch.offset_bytes;
+      o.pending.dest_bytes = ch.length_bytes;
+    }
+    h.request_id = new_request_id();
+    issue(std::move(o), pipelined);
+  }
+  return Handle(op);
+}
+
+Handle Worker::Impl::broadcast(proto::MsgType type, std::span<const std::byte> payload,
+                               proto::DType dtype, std::uint64_t num_elements, bool server0_only,
+                               std::uint64_t step) {
+  const std::uint32_t n = server0_only ? 1 : static_cast<std::uint32_t>(servers.size());
+  auto op = new_op(n);
+  for (std::uint32_t s = 0; s < n; ++s) {
+    Outgoing o;
+    o.server = s;
+    o.channel = 0;
+    o.op = op;
+    o.header.type = type;
+    o.header.dtype = dtype;
+    o.header.num_elements = num_elements;
+    o.header.worker_rank = config.worker.rank;
+    o.header.step = step;
+    o.data = payload;
+    issue(std::move(o), false);
+  }
+  return Handle(op);
+}
+
+// ---------------------------------------------------------------------------
+// Worker
+
+Worker::Worker() : impl_(std::make_unique<Impl>()) {}
+Worker::~Worker() = default;
+
+Result<std::unique_ptr<Worker>> Worker::create(const config::Config& config) {
+  std::unique_ptr<Worker> w(new Worker());
+  EMBER_TRY(w->impl_->init(config));
+  return w;
+}
+
+Result<std::unique_ptr<Worker>> Worker::create_from_file(const std::filesystem::path& path,
+                                                         std::span<const std::string> overrides) {
+  EMBER_ASSIGN_OR_RETURN(config::Config config, config::load_config_file(path));
+  EMBER_TRY(config::apply_overrides(config, overrides));
+  return create(config);
+}
+
+std::uint32_t Worker::rank() const noexcept { return impl_->config.worker.rank; }
+std::uint32_t Worker::num_workers() const noexcept { return impl_->config.cluster.num_workers; }
+std::uint32_t Worker::num_servers() const noexcept {
+  return static_cast<std::uint32_t>(impl_->config.cluster.servers.size());
+}
+const config::Config& Worker::config() const noexcept { return impl_->config; }
+
+TensorBuffer Worker::allocate(std::size_t bytes) {
+  TensorBuffer b;
+  if (bytes <= memory::kMaxBlockBytes) {
+    if (auto block = impl_->pool->allocate(bytes)) {
+      b.data_ = block->data();
+      b.size_ = bytes;
+      b.pool_ = impl_->pool.get();
+      b.block_offset_ = block->offset_bytes();
+      b.size_class_ = static_cast<std::uint8_t>(block->size_class());
+      return b;
+    }
+  }
+  // Above the largest block or pool exhausted: page-aligned heap memory.
+  const std::size_t rounded = (std::max<std::size_t>(bytes, 1) + 4095) / 4096 * 4096;
+  void* p = std::aligned_alloc(4096, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  b.data_ = static_cast<std::byte*>(p);
+  b.size_ = bytes;
+  return b;
+}
+
+Handle Worker::init(Key key, std::span<const std::uint64_t> shape, std::span<const float> values) {
+  return impl_->init_key(key, shape, values);
+}
+
+Handle Worker::push(Key key, std::span<const float> gradient) {
+  return impl_->tensor_op(proto::MsgType::kPush, key, gradient, {}, std::nullopt, false);
+}
+Handle Worker::push(Key key, std::span<const float> gradient, std::uint64_t step) {
+  return impl_->tensor_op(proto::MsgType::kPush, key, gradient, {}, step, false);
+}
+Handle Worker::pull(Key key, std::span<float> out) {
+  return impl_->tensor_op(proto::MsgType::kPull, key, {}, out, std::nullopt, false);
+}
+Handle Worker::pull(Key key, std::span<float> out, std::uint64_t step) {
+  return impl_->tensor_op(proto::MsgType::kPull, key, {}, out, step, false);
+}
+Handle Worker::push_pull(Key key, std::span<const float> gradient, std::span<float> out) {
+  return impl_->tensor_op(proto::MsgType::kPushPull, key, gradient, out, std::nullopt, false);
+}
+Handle Worker::push_pull(Key key, std::span<const float> gradient, std::span<float> out,
+                         std::uint64_t step) {
+  return impl_->tensor_op(proto::MsgType::kPushPull, key, gradient, out, step, false);
+}
+
+Handle Worker::barrier() {
+  const std::uint64_t n = impl_->barrier_count.fetch_add(1, std::memory_order_relaxed);
+  return impl_->broadcast(proto::MsgType::kBarrier, {}, proto::DType::kNone, 0, true, n);
+}
+
+Handle Worker::set_learning_rate(double learning_rate) {
+  if (!std::isfinite(learning_rate) || learning_rate <= 0.0) {
+    return Handle::failed(Error(ErrorCode::kInvalidArgument,
+                                fmt::format("learning rate must be > 0 and finite (got {})",
+                                            learning_rate)));
+  }
+  // The payload must outlive the send: it is copied into the batch at once
+  // (8 bytes are always a small message), so a local is enough.
+  const auto bytes = proto::encode_f64(learning_rate);
+  return impl_->broadcast(proto::MsgType::kSetLearningRate, bytes, proto::DType::kFloat64, 1,
+                          false, 0);
+}
+
+Handle Worker::checkpoint() {
+  return impl_->broadcast(proto::MsgType::kCheckpoint, {}, proto::DType::kNone, 0, false, 0);
+}
+
+std::uint64_t Worker::step(Key key) const {
+  auto ks = impl_->key_state(key);
+  return ks ? ks->next_step.load(std::memory_order_acquire) : 0;
+}
+
+Pipeline Worker::pipeline() { return Pipeline(impl_.get()); }
+
+// ---------------------------------------------------------------------------
+// Pipeline
+
+Pipeline::Pipeline(Worker::Impl* impl) : impl_(impl), mutex_(std::make_unique<std::mutex>()) {}
+
+Pipeline::Pipeline(Pipeline&& o) noexcept
+    : impl_(std::exchange(o.impl_, nullptr)),
+      handles_(std::move(o.handles_)),
+      mutex_(std::move(o.mutex_)) {}
+
+Pipeline::~Pipeline() {
+  if (impl_ != nullptr) (void)flush();
+}
+
+Handle Pipeline::enqueue(Key key, std::span<const float> gradient) {
+  Handle h = impl_->tensor_op(proto::MsgType::kPush, key, gradient, {}, std::nullopt, true);
+  std::lock_guard lock(*mutex_);
+  handles_.push_back(h);
+  return h;
+}
+
+Handle Pipeline::enqueue_pull(Key key, std::span<float> out) {
+  Handle h = impl_->tensor_op(proto::MsgType::kPull, key, {}, out, std::nullopt, true);
+  std::lock_guard lock(*mutex_);
+  handles_.push_back(h);
+  return h;
+}
+
+Handle Pipeline::enqueue_push_pull(Key key, std::span<const float> gradient, std::span<float> out) {
+  Handle h = impl_->tensor_op(proto::MsgType::kPushPull, key, gradient, out, std::nullopt, true);
+  std::lock_guard lock(*mutex_);
+  handles_.push_back(h);
+  return h;
+}
+
+Status Pipeline::flush() { return impl_->flush_all_rings(); }
+
+Status Pipeline::wait() {
+  Status first = flush();
+  std::vector<Handle> handles;
+  {
+    std::lock_guard lock(*mutex_);
+    handles = std::move(handles_);
+    handles_.clear();
+  }
+  Status all = wait_all(handles);
+  if (first && !all) first = all;
+  return first;
+}
+
+}  // namespace ember

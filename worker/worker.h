@@ -1,0 +1,209 @@
+// ember::Worker — the client library training code calls.
+//
+// A Worker is built from the same TOML config as the servers ([cluster]
+// servers and num_workers, [communication], [worker] rank and timeouts). It
+// connects to every server (retrying connect_retries times, so workers may
+// start before the servers), checks with each that they share the [cluster]
+// table (join), and then moves tensors:
+//
+//   init(key, shape, values)    register a float32 tensor; rank 0's values
+//                               are the initial parameters, other ranks wait
+//                               for them. Same shape again: no-op; other
+//                               shape: kShapeMismatch. The reply says which
+//                               step to compute next (rejoin after a restart).
+//   push(key, gradient)         send this step's gradient
+//   pull(key, out)              receive parameters that include every push
+//                               this worker made (bsp: all workers' pushes of
+//                               those steps; ssp: within the staleness bound)
+//   push_pull(key, grad, out)   both, one round trip
+//   barrier()                   every worker reaches it before anyone leaves
+//   set_learning_rate(lr)       on every server, applied before the reply
+//   checkpoint()                every server writes a checkpoint now
+//
+// Steps. The worker counts pushes per key: push and push_pull use step(key)
+// and advance it; pull asks for parameters of step(key). init sets step(key)
+// to the step the servers report (0 for a fresh job), so a restarted worker
+// resumes where the job is. Overloads with an explicit step exist for callers
+// that manage steps themselves (and for re-sending: a push re-sent with the
+// same step is applied once).
+//
+// Tensors larger than [server] partition_bytes travel as chunks, each to the
+// server and channel common/placement assigns; a Handle completes when every
+// chunk is answered.
+//
+// Memory and copies. allocate(bytes) hands out page-pool blocks; a gradient
+// written into one leaves from there without a copy (tcp: a gathered write
+// from the block; shm: by reference). A gradient in other memory is sent
+// without a copy over tcp and copied once into a pool block over shm. Small
+// chunks (below batch_threshold) are copied once into the channel's batch.
+// A pull's parameters are copied once from the receive buffer into `out`.
+//
+// Asynchrony. Every call returns a Handle at once (handle.h); wait() or
+// async_wait() gives the Result. Errors found before sending (unknown key,
+// wrong sizes) come back as an already failed Handle. Calls from different
+// threads may overlap; per key and worker, issue pushes in step order.
+//
+// pipeline() returns a scope for many small tensors: enqueue() from any
+// thread puts the request in its channel's MPSC ring without sending;
+// flush() (and leaving the scope) hands everything queued to the transport,
+// whose framer packs small messages into batches; wait() flushes and
+// returns when every reply is in.
+//
+// Thread-safety: all Worker and Pipeline methods may be called from any
+// thread, except create/destruction. Blocking: create() (connect, join);
+// Handle::wait; allocate never blocks. The Worker must outlive its Handles'
+// operations, its TensorBuffers and its Pipelines.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/base/error.h"
+#include "common/config/config.h"
+#include "worker/handle.h"
+
+namespace ember {
+
+namespace memory {
+class PagePool;
+}
+
+using Key = std::uint64_t;
+
+// A float32 buffer in the worker's page pool (or, above the 64 MiB block
+// limit or when the pool is exhausted, in heap memory). Move-only; freed on
+// destruction. The Worker must outlive it.
+class TensorBuffer {
+ public:
+  TensorBuffer() = default;
+  TensorBuffer(TensorBuffer&&) noexcept;
+  TensorBuffer& operator=(TensorBuffer&&) noexcept;
+  TensorBuffer(const TensorBuffer&) = delete;
+  TensorBuffer& operator=(const TensorBuffer&) = delete;
+  ~TensorBuffer();
+
+  std::span<std::byte> bytes() const noexcept { return {data_, size_}; }
+  // The bytes as float32 (size_bytes / 4 elements).
+  std::span<float> floats() const noexcept {
+    return {reinterpret_cast<float*>(data_), size_ / sizeof(float)};
+  }
+  std::size_t size_bytes() const noexcept { return size_; }
+  bool in_pool() const noexcept { return pool_ != nullptr; }
+  bool empty() const noexcept { return data_ == nullptr; }
+
+ private:
+  friend class Worker;
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+  memory::PagePool* pool_ = nullptr;  // null: heap
+  std::uint64_t block_offset_ = 0;
+  std::uint8_t size_class_ = 0;
+  void release() noexcept;
+};
+
+class Pipeline;
+
+class Worker {
+ public:
+  // Connects to every server and joins. Errors: kConfig (invalid config,
+  // transport "rdma", a server with another [cluster] table), kIo / kTimeout
+  // (a server unreachable after connect_retries), the pool's errors.
+  static Result<std::unique_ptr<Worker>> create(const config::Config& config);
+  // Loads `path` (config::load_config_file), applies `overrides`
+  // ("table.key=value"), then create().
+  static Result<std::unique_ptr<Worker>> create_from_file(
+      const std::filesystem::path& path, std::span<const std::string> overrides = {});
+
+  ~Worker();  // closes the connections; running operations fail with kClosed
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  std::uint32_t rank() const noexcept;
+  std::uint32_t num_workers() const noexcept;
+  std::uint32_t num_servers() const noexcept;
+  const config::Config& config() const noexcept;
+
+  // A pool buffer of `bytes` (rounded to nothing: size_bytes() == bytes).
+  // Never blocks. Errors: none (falls back to heap memory, see TensorBuffer).
+  TensorBuffer allocate(std::size_t bytes);
+
+  // Registers `key` as a float32 tensor of `shape` (product = elements;
+  // up to 8 dims, a scalar has none). Rank 0 must pass the initial values
+  // (values.size() == elements); other ranks may pass an empty span.
+  // Errors (in the Handle): kInvalidArgument (sizes), kShapeMismatch (the key
+  // exists with another shape), kWorkerLost (rank 0 lost while waiting).
+  Handle init(Key key, std::span<const std::uint64_t> shape, std::span<const float> values);
+
+  // Errors: kNotFound (key not init-ed by this worker, or unknown on the
+  // server), kInvalidArgument (gradient.size() != elements), kShapeMismatch,
+  // kStale (bsp: the step's round is over), kClosed, kTimeout.
+  Handle push(Key key, std::span<const float> gradient);
+  Handle push(Key key, std::span<const float> gradient, std::uint64_t step);
+
+  // Errors: kNotFound, kInvalidArgument (out.size() != elements),
+  // kWorkerLost (a worker this step needs is gone, per on_worker_loss),
+  // kClosed, kTimeout.
+  Handle pull(Key key, std::span<float> out);
+  Handle pull(Key key, std::span<float> out, std::uint64_t step);
+
+  Handle push_pull(Key key, std::span<const float> gradient, std::span<float> out);
+  Handle push_pull(Key key, std::span<const float> gradient, std::span<float> out,
+                   std::uint64_t step);
+
+  // Errors: kWorkerLost (a worker is gone, per on_worker_loss), kClosed, kTimeout.
+  Handle barrier();
+  // Errors: kInvalidArgument (lr <= 0 or not finite), kClosed, kTimeout.
+  Handle set_learning_rate(double learning_rate);
+  // Errors: kConfig (a server has no checkpoint_dir), kIo, kClosed, kTimeout.
+  Handle checkpoint();
+
+  // The next step push(key) will use; 0 for a key not init-ed.
+  std::uint64_t step(Key key) const;
+
+  Pipeline pipeline();
+
+ private:
+  friend class Pipeline;
+  Worker();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A batching scope over a Worker; see the file comment. Move-only; leaving
+// the scope flushes (without waiting).
+class Pipeline {
+ public:
+  Pipeline(Pipeline&&) noexcept;
+  Pipeline& operator=(Pipeline&&) = delete;
+  Pipeline(const Pipeline&) = delete;
+  ~Pipeline();
+
+  // Queue a push / pull / push_pull (same meaning and errors as Worker's).
+  // Any thread. Never sends by itself unless a channel's ring is full (then
+  // that channel is flushed to make room).
+  Handle enqueue(Key key, std::span<const float> gradient);
+  Handle enqueue_pull(Key key, std::span<float> out);
+  Handle enqueue_push_pull(Key key, std::span<const float> gradient, std::span<float> out);
+
+  // Sends everything queued (through the transport's batches) and flushes
+  // the batches. Errors: the first send error (that operation's Handle has
+  // it too).
+  Status flush();
+  // flush(), then waits for every Handle enqueued through this scope.
+  // Returns the first error.
+  Status wait();
+
+ private:
+  friend class Worker;
+  explicit Pipeline(Worker::Impl* impl);
+  Worker::Impl* impl_ = nullptr;
+  std::vector<Handle> handles_;
+  std::unique_ptr<std::mutex> mutex_;  // guards handles_
+};
+
+}  // namespace ember
