@@ -296,9 +296,12 @@ HostPort effective_listen(const Config& config);
 // Errors (kConfig), each with file:line: TOML syntax; unknown table or key
 // (with the closest known key suggested); wrong type; out-of-range value; bad
 // size or duration unit; bad enum string (the valid ones listed); invalid
-// host:port; a CPU id that does not exist or is not allowed here; cross-field
-// conflicts (see validate). Input of more than 16 MiB or with brackets nested
-// deeper than 64 is refused before toml11 sees it.
+// host:port; a CPU id that does not exist or is not allowed here; a number
+// that does not fit in 64 bits (toml11 would saturate it); cross-field
+// conflicts (see validate). Text that is not valid UTF-8 (TOML requires it),
+// larger than 16 MiB, nested deeper than 64 levels or with a dotted key of
+// more than 64 parts is refused before toml11 sees it (toml11 3.7 recurses
+// without a limit and mishandles invalid UTF-8 inside strings).
 [[nodiscard]] Result<Config> parse_config(std::string_view toml_text,
                                           std::string_view source_name);
 
@@ -309,7 +312,8 @@ HostPort effective_listen(const Config& config);
 // zero_copy = "sendfile" is refused with pool_backing = "hugetlb" (a hugetlb
 // memfd cannot feed sendfile: EINVAL); record_pattern needs record_path;
 // server_index < number of servers; worker rank < num_workers; nesterov only
-// with type = "momentum"; servers listed once each.
+// with type = "momentum"; metrics_listen differs from the data address.
+// Field rules are those listed with each member above.
 [[nodiscard]] Status validate(const Config& config, std::string_view source_name = "config");
 
 // The effective configuration as TOML: every table and key, defaults
@@ -342,8 +346,9 @@ std::vector<std::string> known_keys();
 // assignments before the failing one.
 [[nodiscard]] Status apply_overrides(Config& config, std::span<const std::string> assignments);
 
-// Typed helpers for common CLI flags; each checks its own range (cross-field
-// rules still need validate()).
+// Typed helpers for common CLI flags. set_listen and set_servers check the
+// addresses (errors as set_value); set_worker_rank cannot fail: the rank is
+// checked against cluster.num_workers by validate(), which callers run after.
 void set_worker_rank(Config& config, std::uint32_t rank) noexcept;
 [[nodiscard]] Status set_listen(Config& config, std::string_view host_port);
 [[nodiscard]] Status set_servers(Config& config, std::span<const std::string> host_ports);

@@ -71,6 +71,10 @@ class alignas(kFalseSharingBytes) Counter {
   std::atomic<std::uint64_t> value_{0};
 };
 
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free &&
+                  std::atomic<double>::is_always_lock_free,
+              "metrics updates must be lock-free");
+
 // A value that goes up and down (queue depth, pool bytes in use, connected
 // workers, step). Double-valued as Prometheus gauges are; integers up to 2^53
 // are exact.
