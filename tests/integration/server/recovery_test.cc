@@ -1,0 +1,303 @@
+// Failure and recovery through real processes: checkpoint + kill -9 +
+// restart, a truncated checkpoint refused, SIGTERM drains and exits 0, a
+// worker killed mid-round under each on_worker_loss policy, a restarted
+// worker rejoining, a re-sent push applied once.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <bit>
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <gtest/gtest.h>
+
+#include "server/checkpoint.h"
+#include "tests/integration/server/harness.h"
+#include "worker/worker.h"
+
+namespace ember::test {
+namespace {
+
+std::unique_ptr<Worker> connect_worker(const ClusterSpec& spec, const std::string& address,
+                                       std::uint32_t rank) {
+  auto w = Worker::create(worker_config(spec, {address}, rank));
+  EXPECT_TRUE(w) << w.error().to_string();
+  return w ? std::move(*w) : nullptr;
+}
+
+std::vector<float> gradient(int step) {
+  std::vector<float> g(64);
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = std::sin(static_cast<float>(step * 64 + i));
+  return g;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) return false;
+  }
+  return true;
+}
+
+ClusterSpec adam_spec(const TempDir& dir) {
+  ClusterSpec spec;
+  spec.optimizer = "adam";
+  spec.learning_rate = 0.01;
+  spec.checkpoint_dir = (dir / "ckpt").string();
+  return spec;
+}
+
+const std::uint64_t kShape[] = {8, 8};
+
+std::vector<float> initial() {
+  std::vector<float> v(64);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * static_cast<float>(i);
+  return v;
+}
+
+TEST(ServerRecovery, CheckpointKillNineRestartKeepsParametersAndOptimizerState) {
+  TempDir dir;
+  const ClusterSpec spec = adam_spec(dir);
+  std::vector<float> p3(64), p4(64);
+  {
+    ServerProcess a(dir, spec, 0);
+    ASSERT_TRUE(a.ok());
+    auto w = connect_worker(spec, a.address(), 0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+    for (int t = 0; t < 3; ++t) ASSERT_TRUE(w->push_pull(5, gradient(t), p3).wait());
+    auto seq = w->checkpoint().wait();
+    ASSERT_TRUE(seq) << seq.error().to_string();
+    a.process().signal(SIGKILL);
+    ASSERT_TRUE(a.process().wait_exit());
+  }
+  {
+    ServerProcess b(dir, spec, 0);
+    ASSERT_TRUE(b.ok());
+    EXPECT_NE(b.log().find("restored checkpoint"), std::string::npos) << b.log();
+    auto w = connect_worker(spec, b.address(), 0);
+    ASSERT_TRUE(w);
+    auto resume = w->init(5, kShape, initial()).wait();  // exists: no-op, says where to resume
+    ASSERT_TRUE(resume);
+    EXPECT_EQ(*resume, 3u);
+    EXPECT_EQ(w->step(5), 3u);
+    std::vector<float> again(64);
+    ASSERT_TRUE(w->pull(5, again).wait());
+    EXPECT_TRUE(same_bits(again, p3));
+    ASSERT_TRUE(w->push_pull(5, gradient(3), p4).wait());
+  }
+  // The same four steps on a server that never died: Adam's moments and step
+  // count must have been restored for the fourth step to match.
+  TempDir other;
+  ServerProcess c(other, adam_spec(other), 0);
+  ASSERT_TRUE(c.ok());
+  auto w = connect_worker(spec, c.address(), 0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+  std::vector<float> ref(64);
+  for (int t = 0; t < 4; ++t) ASSERT_TRUE(w->push_pull(5, gradient(t), ref).wait());
+  EXPECT_TRUE(same_bits(p4, ref));
+}
+
+TEST(ServerRecovery, SigtermWritesFinalCheckpointAndATruncatedOneIsRefused) {
+  TempDir dir;
+  const ClusterSpec spec = adam_spec(dir);
+  std::vector<float> p2(64), p3(64);
+  {
+    ServerProcess a(dir, spec, 0);
+    ASSERT_TRUE(a.ok());
+    auto w = connect_worker(spec, a.address(), 0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+    ASSERT_TRUE(w->push_pull(5, gradient(0), p2).wait());
+    ASSERT_TRUE(w->push_pull(5, gradient(1), p2).wait());
+    auto seq = w->checkpoint().wait();
+    ASSERT_TRUE(seq);
+    ASSERT_TRUE(w->push_pull(5, gradient(2), p3).wait());
+    w.reset();
+    a.process().signal(SIGTERM);
+    auto status = a.process().wait_exit();
+    ASSERT_TRUE(status);
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << a.log();
+    EXPECT_NE(a.log().find("checkpoint 2 written"), std::string::npos) << a.log();
+  }
+  auto files = server::list_checkpoints(dir / "ckpt", 0);
+  ASSERT_TRUE(files);
+  ASSERT_EQ(files->size(), 2u);
+  const auto newest = (*files)[0].second;
+  std::filesystem::resize_file(newest, std::filesystem::file_size(newest) / 2);
+
+  ServerProcess b(dir, spec, 0);
+  ASSERT_TRUE(b.ok());
+  const std::string log = b.log();
+  EXPECT_NE(log.find("refusing checkpoint '" + newest.string() + "': truncated"), std::string::npos)
+      << log;
+  auto w = connect_worker(spec, b.address(), 0);
+  ASSERT_TRUE(w);
+  auto resume = w->init(5, kShape, initial()).wait();
+  ASSERT_TRUE(resume);
+  EXPECT_EQ(*resume, 2u);
+  std::vector<float> got(64);
+  ASSERT_TRUE(w->pull(5, got).wait());
+  EXPECT_TRUE(same_bits(got, p2));
+  EXPECT_FALSE(same_bits(got, p3));
+}
+
+// A worker process killed after pushing step `stop` while worker 0 (here)
+// waits for its step stop + 1.
+struct LossScenario {
+  TempDir dir;
+  ClusterSpec spec;
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<Worker> w0;
+  std::unique_ptr<Process> w1;
+  std::filesystem::path w1_config;
+
+  explicit LossScenario(const std::string& policy, const std::string& timeout = "1500ms") {
+    spec.num_workers = 2;
+    spec.loss_policy = policy;
+    spec.worker_timeout = timeout;
+    spec.learning_rate = 0.5;
+    server = std::make_unique<ServerProcess>(dir, spec, 0);
+    if (!server->ok()) return;
+    w1_config = dir / "worker.toml";
+    write_file(w1_config, cluster_toml(spec, {server->address()}));
+  }
+
+  std::unique_ptr<Process> start_w1(const std::string& steps, const std::vector<std::string>& extra) {
+    std::vector<std::string> args{"--config", w1_config.string(), "--rank", "1", "--key", "1",
+                                  "--elements", "4", "--steps", steps};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<Process>(test_worker_binary(), args, dir / "worker1.log");
+  }
+
+  // Runs both workers to the point where w1 has pushed step 2 and stopped,
+  // and w0 has pushed steps 0..3; returns w0's pending pull of step 4.
+  Handle run_to_loss(std::vector<float>& params) {
+    w1 = start_w1("100", {"--stop-after", "2"});
+    auto w = Worker::create(worker_config(spec, {server->address()}, 0));
+    EXPECT_TRUE(w) << w.error().to_string();
+    if (!w) return Handle::failed(w.error());
+    w0 = std::move(*w);
+    const std::vector<float> init{0, 1, 2, 3};
+    const std::uint64_t shape[] = {4};
+    EXPECT_TRUE(w0->init(1, shape, init).wait());
+    EXPECT_TRUE(w1->wait_line("ready"));
+    const std::vector<float> g(4, 1.0f);
+    for (int t = 0; t < 3; ++t) {
+      EXPECT_TRUE(w0->push(1, g).wait());
+      EXPECT_TRUE(w0->pull(1, params).wait());
+    }
+    EXPECT_TRUE(w1->wait_line("pushed 2"));
+    EXPECT_TRUE(w0->push(1, g).wait());  // step 3: w1 will never push it
+    return w0->pull(1, params);          // waits for round 3
+  }
+};
+
+TEST(ServerWorkerLoss, FailPolicyReturnsWorkerLostAtOnce) {
+  LossScenario s("fail");
+  ASSERT_TRUE(s.server->ok());
+  std::vector<float> params(4);
+  Handle pending = s.run_to_loss(params);
+  const auto t0 = std::chrono::steady_clock::now();
+  s.w1->signal(SIGKILL);
+  auto r = pending.wait();
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kWorkerLost) << r.error().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+}
+
+TEST(ServerWorkerLoss, ShrinkPolicyContinuesWithTheRemainingWorker) {
+  LossScenario s("shrink");
+  ASSERT_TRUE(s.server->ok());
+  std::vector<float> params(4);
+  Handle pending = s.run_to_loss(params);
+  s.w1->signal(SIGKILL);
+  auto r = pending.wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_EQ(*r, 4u);
+  // Three rounds of mean 1 (both workers), then round 3 of worker 0 alone.
+  EXPECT_EQ(params[0], 0.0f - 4 * 0.5f);
+  const std::vector<float> g(4, 1.0f);
+  for (int t = 0; t < 3; ++t) {
+    ASSERT_TRUE(s.w0->push(1, g).wait());
+    ASSERT_TRUE(s.w0->pull(1, params).wait());
+  }
+  EXPECT_EQ(params[0], 0.0f - 7 * 0.5f);
+  EXPECT_TRUE(s.w0->barrier().wait());  // the barrier shrinks too
+}
+
+TEST(ServerWorkerLoss, WaitPolicyGivesUpAfterWorkerTimeout) {
+  LossScenario s("wait", "1500ms");
+  ASSERT_TRUE(s.server->ok());
+  std::vector<float> params(4);
+  Handle pending = s.run_to_loss(params);
+  const auto t0 = std::chrono::steady_clock::now();
+  s.w1->signal(SIGKILL);
+  auto r = pending.wait();
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kWorkerLost) << r.error().to_string();
+  EXPECT_GE(waited, 1400ms);
+  EXPECT_LT(waited, 10s);
+}
+
+TEST(ServerWorkerLoss, RestartedWorkerRejoinsAndTheRoundCompletes) {
+  LossScenario s("wait", "20s");
+  ASSERT_TRUE(s.server->ok());
+  std::vector<float> params(4);
+  Handle pending = s.run_to_loss(params);
+  s.w1->signal(SIGKILL);
+  ASSERT_TRUE(s.w1->wait_exit());
+  EXPECT_FALSE(pending.ready());
+  // Same rank again: it learns the job is at step 3 and pushes from there.
+  auto again = s.start_w1("6", {});
+  auto ready = again->wait_line("ready");
+  ASSERT_TRUE(ready) << fmt::format("{}", fmt::join(again->lines(), "\n"))
+                     << read_file(s.dir / "worker1.log");
+  EXPECT_EQ(*ready, "ready 3");
+  auto r = pending.wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_EQ(*r, 4u);
+  const std::vector<float> g(4, 1.0f);
+  for (int t = 4; t < 6; ++t) {
+    ASSERT_TRUE(s.w0->push(1, g).wait());
+    ASSERT_TRUE(s.w0->pull(1, params).wait());
+  }
+  ASSERT_TRUE(again->wait_line("done"));
+  EXPECT_EQ(params[0], 0.0f - 6 * 0.5f);
+  EXPECT_NE(s.server->log().find("rejoining"), std::string::npos);
+}
+
+TEST(ServerRecovery, ResentPushIsAppliedOnce) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.learning_rate = 1.0;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w0 = connect_worker(spec, server.address(), 0);
+  auto w1 = connect_worker(spec, server.address(), 1);
+  ASSERT_TRUE(w0 && w1);
+  const std::uint64_t shape[] = {2};
+  const std::vector<float> init{10, 10};
+  auto i1 = w1->init(4, shape, {});
+  ASSERT_TRUE(w0->init(4, shape, init).wait());
+  ASSERT_TRUE(i1.wait());
+  const std::vector<float> g{2, 4};
+  ASSERT_TRUE(w0->push(4, g, 0).wait());
+  ASSERT_TRUE(w0->push(4, g, 0).wait());  // re-sent (as after a reconnect): acknowledged
+  ASSERT_TRUE(w1->push(4, g, 0).wait());
+  std::vector<float> p(2);
+  ASSERT_TRUE(w0->pull(4, p, 1).wait());
+  EXPECT_EQ(p, (std::vector<float>{8, 6}));  // one round: 10 - mean(2, 2), 10 - mean(4, 4)
+  ASSERT_TRUE(w1->push(4, g, 0).wait());  // after the round: still a duplicate, not stale
+  ASSERT_TRUE(w0->pull(4, p, 1).wait());
+  EXPECT_EQ(p, (std::vector<float>{8, 6}));
+}
+
+}  // namespace
+}  // namespace ember::test
