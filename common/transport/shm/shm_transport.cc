@@ -80,25 +80,27 @@ inline void cpu_relax() {
 #endif
 }
 
-void ring_doorbell(int fd) {
+// `syscalls` counts doorbell writes (the shm data path's only system calls).
+void ring_doorbell(int fd, std::atomic<std::uint64_t>* syscalls) {
   const std::uint64_t one = 1;
+  syscalls->fetch_add(1, std::memory_order_relaxed);
   // EAGAIN only when the counter is near overflow: the peer is awake anyway.
   [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof one);
 }
 
 // Wakes the consumer of `lane` if it sleeps (Dekker with its re-check).
-void notify_consumer(LaneControl& ctrl, int doorbell_fd) {
+void notify_consumer(LaneControl& ctrl, int doorbell_fd, std::atomic<std::uint64_t>* syscalls) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (ctrl.consumer_sleeping.value.load(std::memory_order_relaxed) != 0 &&
       ctrl.consumer_sleeping.value.exchange(0) != 0) {
-    ring_doorbell(doorbell_fd);
+    ring_doorbell(doorbell_fd, syscalls);
   }
 }
-void notify_producer(LaneControl& ctrl, int doorbell_fd) {
+void notify_producer(LaneControl& ctrl, int doorbell_fd, std::atomic<std::uint64_t>* syscalls) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (ctrl.producer_waiting.value.load(std::memory_order_relaxed) != 0 &&
       ctrl.producer_waiting.value.exchange(0) != 0) {
-    ring_doorbell(doorbell_fd);
+    ring_doorbell(doorbell_fd, syscalls);
   }
 }
 
@@ -222,8 +224,9 @@ class ShmConnection;
 // from any thread, for as long as the channel is open.
 class ReleaseSink {
  public:
-  ReleaseSink(const Lane* rx, LaneControl* wake_flag_lane, int peer_doorbell)
-      : rx_(rx), wake_flag_lane_(wake_flag_lane), peer_doorbell_(peer_doorbell) {}
+  ReleaseSink(const Lane* rx, LaneControl* wake_flag_lane, int peer_doorbell,
+              std::atomic<std::uint64_t>* syscalls)
+      : rx_(rx), wake_flag_lane_(wake_flag_lane), peer_doorbell_(peer_doorbell), syscalls_(syscalls) {}
   void release(std::uint64_t token) {
     std::lock_guard lock(mu_);
     if (closed_) return;  // the sender reclaimed everything at close
@@ -234,7 +237,7 @@ class ReleaseSink {
     c.release_head.value.store(pos + 1, std::memory_order_release);
     // The peer's channel thread sleeps with its flag in the lane it consumes
     // (our outgoing lane).
-    notify_consumer(*wake_flag_lane_, peer_doorbell_);
+    notify_consumer(*wake_flag_lane_, peer_doorbell_, syscalls_);
   }
   void close() {
     std::lock_guard lock(mu_);
@@ -246,6 +249,7 @@ class ReleaseSink {
   const Lane* rx_;
   LaneControl* wake_flag_lane_;
   int peer_doorbell_;
+  std::atomic<std::uint64_t>* syscalls_;  // the connection's; used only while open
   bool closed_ = false;
 };
 
@@ -419,10 +423,12 @@ class Channel {
         encoder_(std::move(encoder)),
         inflight_(tx_.geometry().credits) {
     for (std::uint32_t t = tx_.geometry().credits; t > 0; --t) free_tokens_.push_back(t - 1);
-    sink_ = std::make_shared<ReleaseSink>(&rx_, &tx_.control(), peer_doorbell_fd_);
+    sink_ = std::make_shared<ReleaseSink>(&rx_, &tx_.control(), peer_doorbell_fd_,
+                                          syscall_counter());
   }
 
   void start();  // I/O thread
+  std::atomic<std::uint64_t>* syscall_counter();
   Status send_small(std::span<const std::byte> bytes, nanoseconds wait);
   Status send_large(Buffer&& payload, SendCompletion&& done, nanoseconds wait, bool lend);
   Status flush();
@@ -894,6 +900,8 @@ void Channel::post(std::function<void()> fn) {
   asio::post(ctx_, [self, fn = std::move(fn)] { fn(); });
 }
 
+std::atomic<std::uint64_t>* Channel::syscall_counter() { return &conn_->write_syscalls; }
+
 void Channel::start() {
   if (torn_down_) return;
   started_ = true;
@@ -951,7 +959,7 @@ void Channel::open_batch_locked() {
 void Channel::publish_slot_locked() {
   // Pairs with the consumer's acquire load of head.
   tx_.control().head.value.store(++next_head_, std::memory_order_release);
-  notify_consumer(tx_.control(), peer_doorbell_fd_);
+  notify_consumer(tx_.control(), peer_doorbell_fd_, &conn_->write_syscalls);
 }
 
 void Channel::publish_batch_locked() {
@@ -1320,7 +1328,7 @@ bool Channel::poll_rx() {
     // Pairs with the producer's acquire load of tail before reusing the slot.
     c.tail.value.store(rx_tail_, std::memory_order_release);
   }
-  notify_producer(c, peer_doorbell_fd_);
+  notify_producer(c, peer_doorbell_fd_, &conn_->write_syscalls);
   return n > 0;
 }
 
