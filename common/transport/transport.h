@@ -160,16 +160,21 @@ struct Incoming {
   // large message it equals owned.bytes().
   std::span<const std::byte> bytes;
   // Non-empty for a large message: the owning handle (a receive-allocator
-  // block for tcp, a view of the sender's block for shm, which tells the
-  // sender to reuse the block when destroyed). Move it out to keep the
-  // payload beyond the callback without copying.
+  // block for tcp; for shm a read-only view of the sender's block, which
+  // tells the sender to reuse the block when destroyed: do not write to it,
+  // and copy what must outlive the Connection). Move it out to keep the
+  // payload beyond the callback without copying. May be destroyed on any
+  // thread.
   Buffer owned;
   bool is_large() const noexcept { return !owned.empty(); }
 };
 
-// Called once per large send, on the I/O thread, after the transport is done
-// with the Buffer (it has already been released): ok when the bytes were
-// handed to the kernel / to the peer; the Connection's error otherwise.
+// Called once per large send, after the transport is done with the Buffer
+// (it has already been released): ok when the bytes were handed to the
+// kernel (tcp) or consumed by the peer (shm); the Connection's error
+// otherwise. It runs on the thread that finished the send: an I/O thread, or
+// the thread inside send()/flush() when the write completed inline (never
+// under a transport lock, so it may call send()). Must not throw.
 using SendCompletion = std::function<void(const Status& status)>;
 
 // Counters, monotonic since the Connection was made. Read with stats() from
@@ -217,17 +222,20 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::uint32_t num_channels() const noexcept { return peer().num_channels; }
 
   // Sends a small or large message by copy: the bytes are copied once into
-  // the channel's open batch (for tcp: the batch buffer; for shm: the shared
-  // data ring — this is the one copy of the small-message path) and sent when
-  // the batch is full, after flush_interval, or at flush(). A message too big
-  // for a batch is copied into a Buffer from the receive allocator's
-  // counterpart (heap) and sent as a large message: prefer the Buffer overload
-  // for those. `bytes` may be reused as soon as send() returns.
+  // the channel's open batch (for tcp: the batch buffer; for shm: the next
+  // slot of the shared ring — this is the one copy of the small-message path)
+  // and sent when the batch is full, after flush_interval, or at flush(). A
+  // message too big for a batch is copied too (tcp: into a heap Buffer sent as
+  // a large message; shm: through the ring in fragments): prefer the Buffer
+  // overload with pool memory for those. `bytes` may be reused as soon as
+  // send() returns.
   //
   // Thread-safe: any thread may call it, for any channel (a per-channel lock
-  // orders concurrent callers). Blocks only when the queue is full: then waits
-  // up to `wait` for the peer to drain it (never on an I/O thread of this
-  // Transport, where it fails at once instead).
+  // orders concurrent callers). Blocks only when the queue (tcp, shm large) or
+  // the ring (shm) is full: then waits up to `wait` for the peer to drain it.
+  // On an I/O thread of this Transport it never waits (the peer may be
+  // waiting for this very thread): it fails at once instead, and an shm
+  // fragmented message is taken whole or not at all.
   // Errors: kInvalidArgument (channel >= num_channels), kTooLarge (over
   // max_message_bytes), kTimeout (queue still full after `wait`; nothing was
   // queued), kClosed (the Connection is closed; the message was dropped).
