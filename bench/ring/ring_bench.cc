@@ -22,7 +22,9 @@
 // Throughput: messages per ms from the start barrier until the consumer has
 // received every message; the median over --reps repetitions, interleaved
 // (rep 1 of every queue and producer count, then rep 2, ...), so drift in
-// the machine's load hits every queue alike.
+// the machine's load hits every queue alike. A calibration pass first sizes
+// each queue's runs to about --run-ms (a fixed count would give the fast
+// queues runs of a few ms, shorter than a scheduler time slice).
 // Latency: every 64th message carries the steady_clock time taken just
 // before the push call that accepted it; the consumer reads the clock once
 // per received batch holding samples. p50/p99 per run, median over reps. A
@@ -383,6 +385,7 @@ double median(std::vector<double> v) {
 struct Series {
   std::string queue;
   std::size_t producers;
+  std::uint64_t messages;  // per run, calibrated
   std::vector<double> rate, p50, p99;
   bool order_ok = true;
   double rate_median() const { return median(rate); }
@@ -492,11 +495,12 @@ StallResult run_stall_case(std::size_t slots, int num_stalls) {
 int main(int argc, char** argv) {
   CLI::App app{"ember-bench-ring: Ember's MPSC ring vs the mutex queue, moodycamel and "
                "boost::lockfree, 1/2/8 producers -> 1 consumer, 16-byte messages"};
-  std::uint64_t messages = std::uint64_t{1} << 21;
+  double run_ms = 120;
   int reps = 5;
   std::size_t slots = 1024;
   int stalls = 100;
-  app.add_option("--messages", messages, "messages per run (split over the producers)")
+  app.add_option("--run-ms", run_ms,
+                 "target duration of one run; each queue's message count is calibrated to it")
       ->capture_default_str();
   app.add_option("--reps", reps, "interleaved repetitions (median reported)")->capture_default_str();
   app.add_option("--slots", slots, "ember lane capacity in slots (power of two)")
@@ -509,34 +513,52 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  struct Contender {
+    const char* name;
+    RunResult (*run)(std::size_t producers, std::uint64_t messages, std::size_t slots);
+  };
+  const std::vector<Contender> contenders{
+      {EmberQueue<>::name(), &run_once<EmberQueue<>>},
+      {MutexQueue<>::name(), &run_once<MutexQueue<>>},
+      {MoodycamelQueue<false>::name(), &run_once<MoodycamelQueue<false>>},
+      {MoodycamelQueue<true>::name(), &run_once<MoodycamelQueue<true>>},
+      {BoostQueue::name(), &run_once<BoostQueue>},
+  };
   const std::vector<std::size_t> producer_counts{1, 2, 8};
   std::vector<Series> series;
   auto series_for = [&](const std::string& queue, std::size_t producers) -> Series& {
     for (Series& s : series) {
       if (s.queue == queue && s.producers == producers) return s;
     }
-    series.push_back(Series{queue, producers, {}, {}, {}, true});
+    series.push_back(Series{queue, producers, 0, {}, {}, {}, true});
     return series.back();
   };
-  auto record = [&](const char* queue, std::size_t producers, const RunResult& r) {
-    Series& s = series_for(queue, producers);
-    s.rate.push_back(r.msgs_per_ms);
-    s.p50.push_back(r.p50_us);
-    s.p99.push_back(r.p99_us);
-    s.order_ok = s.order_ok && r.order_ok;
-  };
   const auto bench_start = Clock::now();
-  std::fprintf(stderr, "ember-bench-ring: %llu messages/run, %d reps, %zu slots per ember lane\n",
-               static_cast<unsigned long long>(messages), reps, slots);
+  std::fprintf(stderr, "ember-bench-ring: ~%.0f ms per run, %d reps, %zu slots per ember lane\n",
+               run_ms, reps, slots);
+  // Calibration (not recorded): size each run to about run_ms.
+  constexpr std::uint64_t kMinMessages = std::uint64_t{1} << 17;
+  constexpr std::uint64_t kMaxMessages = std::uint64_t{1} << 25;
+  for (std::size_t producers : producer_counts) {
+    for (const Contender& c : contenders) {
+      const RunResult r = c.run(producers, kMinMessages, slots);
+      const double wanted = r.msgs_per_ms * run_ms;
+      std::uint64_t messages = static_cast<std::uint64_t>(
+          std::clamp(wanted, static_cast<double>(kMinMessages), static_cast<double>(kMaxMessages)));
+      messages = (messages + 255) / 256 * 256;
+      series_for(c.name, producers).messages = messages;
+    }
+  }
   for (int rep = 0; rep < reps; ++rep) {
     for (std::size_t producers : producer_counts) {
-      record(EmberQueue<>::name(), producers, run_once<EmberQueue<>>(producers, messages, slots));
-      record(MutexQueue<>::name(), producers, run_once<MutexQueue<>>(producers, messages, slots));
-      record(MoodycamelQueue<false>::name(), producers,
-             run_once<MoodycamelQueue<false>>(producers, messages, slots));
-      record(MoodycamelQueue<true>::name(), producers,
-             run_once<MoodycamelQueue<true>>(producers, messages, slots));
-      record(BoostQueue::name(), producers, run_once<BoostQueue>(producers, messages, slots));
+      for (const Contender& c : contenders) {
+        Series& s = series_for(c.name, producers);
+        const RunResult r = c.run(producers, s.messages, slots);
+        s.rate.push_back(r.msgs_per_ms);
+        s.p50.push_back(r.p50_us);
+        s.p99.push_back(r.p99_us);
+        s.order_ok = s.order_ok && r.order_ok;
+      }
     }
     std::fprintf(stderr, "  rep %d/%d done (%.1f s)\n", rep + 1, reps,
                  std::chrono::duration<double>(Clock::now() - bench_start).count());
@@ -545,13 +567,14 @@ int main(int argc, char** argv) {
   std::printf("\nThroughput and push->pop latency (median of %d interleaved reps; every %llu-th "
               "message timed)\n",
               reps, static_cast<unsigned long long>(kSampleEvery));
-  std::printf("%-16s %9s %12s %12s %12s %10s %10s %7s\n", "queue", "producers", "msgs/ms",
-              "min", "max", "p50 us", "p99 us", "order");
+  std::printf("%-16s %9s %10s %12s %12s %12s %10s %10s %7s\n", "queue", "producers",
+              "msgs/run", "msgs/ms", "min", "max", "p50 us", "p99 us", "order");
   for (std::size_t producers : producer_counts) {
     for (const Series& s : series) {
       if (s.producers != producers) continue;
-      std::printf("%-16s %9zu %12.0f %12.0f %12.0f %10.1f %10.1f %7s\n", s.queue.c_str(),
-                  s.producers, s.rate_median(), *std::min_element(s.rate.begin(), s.rate.end()),
+      std::printf("%-16s %9zu %10llu %12.0f %12.0f %12.0f %10.1f %10.1f %7s\n", s.queue.c_str(),
+                  s.producers, static_cast<unsigned long long>(s.messages), s.rate_median(),
+                  *std::min_element(s.rate.begin(), s.rate.end()),
                   *std::max_element(s.rate.begin(), s.rate.end()), median(s.p50), median(s.p99),
                   s.order_ok ? "ok" : "BROKEN");
     }

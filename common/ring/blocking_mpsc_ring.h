@@ -138,7 +138,7 @@ class BlockingMpscRing {
   std::size_t push_batch_wait(T* items, std::size_t count, std::chrono::nanoseconds timeout) {
     typename Ring::Lane* lane = ring_->this_thread_lane();
     if (lane == nullptr) return 0;
-    return push_batch_wait_on(lane, ring_->index_of(lane), items, count, timeout);
+    return push_batch_wait_on(lane, kIndexUnknown, items, count, timeout);
   }
   [[nodiscard]] bool push_wait(T&& item, std::chrono::nanoseconds timeout) {
     return push_batch_wait(&item, 1, timeout) == 1;
@@ -231,6 +231,10 @@ class BlockingMpscRing {
         space_(std::make_unique<FutexFlag[]>(max_producers)),
         park_(park) {}
 
+  // Lane index not looked up yet (any-thread pushes find it only if they
+  // have to sleep).
+  static constexpr std::uint32_t kIndexUnknown = ~std::uint32_t{0};
+
   // Producer side of push_wait: push what fits, wait for space, repeat.
   std::size_t push_batch_wait_on(typename Ring::Lane* lane, std::uint32_t index, T* items,
                                  std::size_t count, std::chrono::nanoseconds timeout) {
@@ -252,14 +256,15 @@ class BlockingMpscRing {
   bool wait_for_space_on(typename Ring::Lane* lane, std::uint32_t index,
                          std::chrono::steady_clock::time_point deadline) {
     auto has_space = [lane] { return lane->size_approx() < lane->capacity(); };
-    for (std::uint32_t i = 0; i < park_.spin_iterations; ++i) {
+    for (std::uint32_t i = 0; i < park_.producer_spin_iterations; ++i) {
       if (has_space()) return true;
       Parker::cpu_relax();
     }
-    for (std::uint32_t i = 0; i < park_.yield_iterations; ++i) {
+    for (std::uint32_t i = 0; i < park_.producer_yield_iterations; ++i) {
       if (has_space()) return true;
       sched_yield();
     }
+    if (index == kIndexUnknown) index = ring_->index_of(lane);  // any-thread pushes only
     FutexFlag& space = space_[index];
     while (true) {
       space.arm();

@@ -44,11 +44,19 @@
 
 namespace ember::ring {
 
+// How long a waiter polls before it sleeps. Polling is cheap when cores are
+// idle and wasteful when threads outnumber cores (Ember's 8 producers on 2
+// cores), where a spinning producer takes the core the consumer needs.
 struct ParkOptions {
-  // Polls of has_items() (with a pause instruction) before yielding.
-  std::uint32_t spin_iterations = 256;
-  // sched_yield() rounds, polling after each, before sleeping on the eventfd.
-  std::uint32_t yield_iterations = 2;
+  // Consumer waiting for items (Parker::wait, BlockingMpscRing::*_wait):
+  // polls with a pause instruction, then sched_yield() rounds, then sleep
+  // on the eventfd.
+  std::uint32_t spin_iterations = 128;
+  std::uint32_t yield_iterations = 1;
+  // Producers waiting for space (BlockingMpscRing push_wait,
+  // wait_for_space): the same phases, then sleep on the lane's futex.
+  std::uint32_t producer_spin_iterations = 0;
+  std::uint32_t producer_yield_iterations = 1;
 };
 
 class Parker {

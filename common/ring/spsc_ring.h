@@ -83,8 +83,8 @@ class SpscRing {
     for (std::uint64_t pos = head_.load(std::memory_order_relaxed); pos != tail; ++pos) {
       slot(consumer_.slots, consumer_.mask, pos)->~T();
     }
-    ::operator delete(static_cast<void*>(consumer_.slots), slot_array_bytes(capacity()),
-                      std::align_val_t{kSlotAlignment});
+    // Unsized form: clang enables sized deallocation only on request.
+    ::operator delete(static_cast<void*>(consumer_.slots), std::align_val_t{kSlotAlignment});
   }
 
   // ---- producer side ----

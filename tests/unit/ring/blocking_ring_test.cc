@@ -22,7 +22,10 @@ using testing::wait_until;
 using IntRing = BlockingMpscRing<int>;
 
 // Options that make the consumer park at once, so the wake path is exercised.
-constexpr ParkOptions kParkAtOnce{.spin_iterations = 0, .yield_iterations = 0};
+constexpr ParkOptions kParkAtOnce{.spin_iterations = 0,
+                                  .yield_iterations = 0,
+                                  .producer_spin_iterations = 0,
+                                  .producer_yield_iterations = 0};
 
 std::unique_ptr<IntRing> make_ring(const ParkOptions& park = kParkAtOnce) {
   return IntRing::create({.lane_capacity = 64, .max_producers = 8}, park).value();

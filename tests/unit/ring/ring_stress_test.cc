@@ -24,6 +24,11 @@ using namespace std::chrono_literals;
 using testing::Tracked;
 
 constexpr std::uint64_t kScale = testing::kSanitized ? 4 : 1;
+// Every waiter sleeps at once: the sleep/wake protocols run on every wait.
+constexpr ParkOptions kParkAtOnce{.spin_iterations = 0,
+                                  .yield_iterations = 0,
+                                  .producer_spin_iterations = 0,
+                                  .producer_yield_iterations = 0};
 // No wait in these tests may come near this; reaching it means a lost wake-up.
 constexpr auto kWaitTimeout = 10s;
 
@@ -145,13 +150,13 @@ TEST(RingStress, EightProducersOneConsumerNoLossNoDuplicatesInOrder) {
 // Producers that sleep for space (push_batch_wait) on small lanes: the
 // producer sleep/wake protocol on almost every batch.
 TEST(RingStress, EightWaitingProducersSmallLanes) {
-  run_eight_producers(16, ParkOptions{.spin_iterations = 0, .yield_iterations = 0}, /*wait=*/true);
+  run_eight_producers(16, kParkAtOnce, /*wait=*/true);
 }
 
 // Tiny lanes and an always-parking consumer: full lanes and sleep/wake
 // races on almost every operation.
 TEST(RingStress, EightProducersTinyLanesParkingConsumer) {
-  run_eight_producers(4, ParkOptions{.spin_iterations = 0, .yield_iterations = 0}, /*wait=*/false);
+  run_eight_producers(4, kParkAtOnce, /*wait=*/false);
 }
 
 // Any-thread pushes with non-trivial elements and lane churn: 24 threads in
