@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "worker/gpu/codec.h"
 #include "worker/gpu/status.h"
 
 namespace ember::gpu {
@@ -108,11 +109,17 @@ Result<GpuSymBuffer> GpuSymBuffer::register_host(const SymBufferLayout& layout,
   EMBER_TRY(cuda_check(cudaSetDevice(device), fmt::format("cudaSetDevice({})", device)));
   GpuSymBuffer b;
   b.layout_ = layout;
-  EMBER_TRY(cuda_check(cudaHostRegister(region.data(), layout.total_bytes(),
-                                        cudaHostRegisterMapped | cudaHostRegisterPortable),
-                       fmt::format("SymBuffer: cudaHostRegister of {} bytes", layout.total_bytes())));
-  b.registered_ = true;
   b.host_base_ = region.data();
+  // Whole pages where the region allows (older drivers want page-aligned sizes).
+  const std::size_t bytes = std::min<std::size_t>(region.size(), round_up(layout.total_bytes(), 4096));
+  const cudaError_t reg = cudaHostRegister(region.data(), bytes,
+                                           cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (reg == cudaErrorHostMemoryAlreadyRegistered) {
+    (void)cudaGetLastError();  // the page pool registered its whole region already: use that
+  } else {
+    EMBER_TRY(cuda_check(reg, fmt::format("SymBuffer: cudaHostRegister of {} bytes", bytes)));
+    b.registered_ = true;
+  }
   void* dp = nullptr;
   EMBER_TRY(cuda_check(cudaHostGetDevicePointer(&dp, region.data(), 0),
                        "SymBuffer: cudaHostGetDevicePointer"));
@@ -148,8 +155,8 @@ GpuSymBuffer::~GpuSymBuffer() { release(); }
 void GpuSymBuffer::release() noexcept {
   if (registered_) {
     (void)cudaHostUnregister(host_base_);
-  } else if (device_base_ != nullptr) {
-    (void)cudaFree(device_base_);
+  } else if (host_base_ == nullptr && device_base_ != nullptr) {
+    (void)cudaFree(device_base_);  // device memory we allocated
   }
   if (status_ != nullptr) (void)cudaFree(status_);
   device_base_ = nullptr;

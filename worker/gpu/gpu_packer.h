@@ -19,7 +19,10 @@
 // Only built with EMBER_WITH_CUDA (defines EMBER_HAVE_CUDA).
 // Thread-safety: one host thread per GpuPacker/GpuSymBuffer at a time.
 // Kernels run asynchronously on the caller's stream; the tensors, the buffer
-// and the packer must outlive the work enqueued on them.
+// and the packer must outlive the work enqueued on them. A packer's pack
+// launches must be ordered (one stream, or events), and so must its unpack
+// launches; a pack and an unpack may run concurrently. Kernels launch on the
+// calling thread's current device: create() makes options.device current.
 #pragma once
 
 #include <chrono>
@@ -83,7 +86,9 @@ class GpuSymBuffer {
   // e.g. a page-pool block) with cudaHostRegister and maps it for the
   // device, so the transport sends the packed bytes without another copy.
   // Zeroes every ChannelMeta. The region must outlive the buffer; it is
-  // unregistered on destruction. Errors: kInvalidArgument, CUDA errors.
+  // unregistered on destruction unless it was registered before (the page
+  // pool registers its whole region once: that registration is used).
+  // Errors: kInvalidArgument, CUDA errors.
   static Result<GpuSymBuffer> register_host(const SymBufferLayout& layout,
                                             std::span<std::byte> region, int device = 0);
 
@@ -120,7 +125,7 @@ class GpuSymBuffer {
   SymBufferLayout layout_{};
   std::byte* device_base_ = nullptr;
   std::byte* host_base_ = nullptr;
-  bool registered_ = false;
+  bool registered_ = false;  // we called cudaHostRegister (and must unregister)
   StepStatus* status_ = nullptr;  // device memory, for loopback
 };
 

@@ -181,12 +181,13 @@ __device__ bool pack_tile_unit(const PackLaunch& a, std::uint32_t tile_index, st
 
 // Counts this block as done; true in the last block to finish, after which
 // every block's writes are visible to it (threadFenceReduction pattern:
-// fence, count; the last counter fences again before publishing).
+// every thread fences its ring and state writes, one thread counts; the last
+// block fences again before it publishes positions).
 __device__ bool last_block_done(StepCounters* c) {
   __shared__ bool last;
+  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
     last = atomicAdd(&c->blocks_done, 1u) == gridDim.x - 1;
   }
   __syncthreads();
@@ -394,9 +395,9 @@ __global__ void __launch_bounds__(kLoopbackThreads) loopback_kernel(const Loopba
     const U32x4 v = load_u32x4(src + (s_from + off) % capacity);
     store_u32x4(dst + (s_to + off) % capacity, v.x, v.y, v.z, v.w);
   }
+  __threadfence_system();  // this thread's copies before the positions (below)
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
     publish_position(recv->tail, s_to + s_bytes);
     publish_position(send->head, s_from + s_bytes);
   }

@@ -362,6 +362,26 @@ TEST(GpuPacker, UnpackRejectsARecordThatDoesNotMatchThePlan) {
   }
 }
 
+TEST(GpuSymBuffer, UsesAHostRegionThePagePoolRegisteredBefore) {
+  EMBER_REQUIRE_DEVICE();
+  const SymBufferLayout layout{2, 2, 4096};
+  const std::uint64_t bytes = round_up(layout.total_bytes(), 4096);
+  std::unique_ptr<std::byte, decltype(&std::free)> region(
+      static_cast<std::byte*>(std::aligned_alloc(4096, bytes)), &std::free);
+  ASSERT_EQ(cudaHostRegister(region.get(), bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), cudaSuccess);
+  {
+    auto buf = GpuSymBuffer::register_host(layout, std::span<std::byte>(region.get(), bytes));
+    ASSERT_TRUE(buf.has_value()) << buf.error().to_string();
+    RingView send(buf->host_view(), 3, Direction::kSend);
+    send.commit(64);
+    ASSERT_OK(buf->loopback(nullptr));  // the kernel sees the host's positions
+    EXPECT_EQ(RingView(buf->host_view(), 3, Direction::kRecv).tail(), 64u);
+    EXPECT_EQ(send.head(), 64u);
+  }
+  // Still registered by its owner: unregistering succeeds exactly once.
+  EXPECT_EQ(cudaHostUnregister(region.get()), cudaSuccess);
+}
+
 TEST(GpuPacker, ChannelsAreCappedAtHalfTheSms) {
   EMBER_REQUIRE_DEVICE();
   auto info = query_device(0);
