@@ -41,6 +41,7 @@ Status send_message(int fd, std::span<const std::byte> bytes, std::span<const in
     msg.msg_control = control.data();
     msg.msg_controllen = control.size();
     cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    if (c == nullptr) return make_error(ErrorCode::kInternal, "no room for SCM_RIGHTS control data");
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
     c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
