@@ -1,0 +1,351 @@
+// Bad requests reach a real ember-server through a raw protocol client (the
+// transport with hand-made messages): each class gets its error reply, or a
+// closed connection for that worker only, while a well-behaved worker
+// carries on. Also: --check-config on bad files, --print-config, metrics.
+#include <sys/wait.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/proto/message.h"
+#include "common/transport/transport.h"
+#include "tests/integration/server/harness.h"
+#include "worker/worker.h"
+
+namespace ember::test {
+namespace {
+
+using proto::Header;
+using proto::MsgType;
+
+// A worker that speaks the protocol by hand.
+class RawClient {
+ public:
+  RawClient(const std::string& address, std::uint32_t rank) : rank_(rank) {
+    transport::Options o;
+    o.kind = transport::Kind::kTcp;
+    o.num_channels = 1;
+    o.heartbeat_interval = 100ms;
+    o.heartbeat_timeout = 5s;
+    auto t = transport::Transport::create(o);
+    EXPECT_TRUE(t) << t.error().to_string();
+    transport_ = std::move(*t);
+    transport::Handlers h;
+    h.on_message = [this](transport::Connection&, transport::Incoming&& m) {
+      std::lock_guard lock(mutex_);
+      inbox_.emplace_back(m.bytes.begin(), m.bytes.end());
+      cv_.notify_all();
+    };
+    h.on_closed = [this](transport::Connection&, const Error& e) {
+      std::lock_guard lock(mutex_);
+      closed_ = e;
+      cv_.notify_all();
+    };
+    auto c = transport_->connect(address, {transport::Role::kWorker, rank}, h);
+    EXPECT_TRUE(c) << c.error().to_string();
+    if (c) conn_ = *c;
+  }
+  ~RawClient() {
+    if (conn_) conn_->close();
+    transport_.reset();
+  }
+
+  void send(const std::vector<std::byte>& bytes) {
+    ASSERT_TRUE(conn_->send(0, bytes));
+    ASSERT_TRUE(conn_->flush(0));
+  }
+  void send(Header h, std::span<const std::uint64_t> dims = {}, std::vector<float> data = {}) {
+    h.worker_rank = rank_;
+    h.request_id = ++next_id_;
+    send(proto::encode_message(h, dims, std::as_bytes(std::span<const float>(data))));
+  }
+  // The next reply, decoded; nullopt after 10 s or when the connection closed.
+  std::optional<proto::Header> reply(std::string* text = nullptr) {
+    std::unique_lock lock(mutex_);
+    if (!cv_.wait_for(lock, 10s, [&] { return !inbox_.empty() || closed_; }) || inbox_.empty()) {
+      return std::nullopt;
+    }
+    last_ = std::move(inbox_.front());
+    inbox_.pop_front();
+    auto m = proto::decode(last_);
+    EXPECT_TRUE(m) << m.error().to_string();
+    if (!m) return std::nullopt;
+    if (text != nullptr) *text = std::string(m->text());
+    return m->header;
+  }
+  // Waits for the connection to close; its reason.
+  std::optional<Error> closed() {
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, 10s, [&] { return closed_.has_value(); });
+    return closed_;
+  }
+
+ private:
+  std::uint32_t rank_;
+  std::uint64_t next_id_ = 0;
+  std::unique_ptr<transport::Transport> transport_;
+  std::shared_ptr<transport::Connection> conn_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::vector<std::byte>> inbox_;
+  std::optional<Error> closed_;
+  std::vector<std::byte> last_;
+};
+
+Header keyed(MsgType type, std::uint64_t key, std::uint64_t n, std::uint64_t step = 0) {
+  Header h;
+  h.type = type;
+  h.dtype = proto::DType::kFloat32;
+  h.key = key;
+  h.step = step;
+  h.num_elements = n;
+  return h;
+}
+
+class BadRequests : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spec.num_workers = 2;
+    spec.consistency = "asp";
+    server = std::make_unique<ServerProcess>(dir, spec, 0);
+    ASSERT_TRUE(server->ok());
+    // The well-behaved worker (rank 0) with a registered key.
+    auto w = Worker::create(worker_config(spec, {server->address()}, 0));
+    ASSERT_TRUE(w) << w.error().to_string();
+    good = std::move(*w);
+    ASSERT_TRUE(good->init(1, shape, std::vector<float>{1, 2, 3, 4}).wait());
+  }
+  // The good worker still gets service.
+  void expect_good_worker_served() {
+    std::vector<float> p(4);
+    ASSERT_TRUE(good->push(1, std::vector<float>{0, 0, 0, 0}).wait());
+    auto r = good->pull(1, p).wait();
+    ASSERT_TRUE(r) << r.error().to_string();
+  }
+  void expect_error(RawClient& c, ErrorCode code, const std::string& needle) {
+    std::string text;
+    auto h = c.reply(&text);
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->status, code) << text;
+    EXPECT_NE(text.find(needle), std::string::npos) << text;
+  }
+
+  TempDir dir;
+  ClusterSpec spec;
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<Worker> good;
+  const std::uint64_t shape[1] = {4};
+};
+
+TEST_F(BadRequests, UnknownKeyGetsNotFound) {
+  RawClient c(server->address(), 1);
+  c.send(keyed(MsgType::kPull, 999, 4));
+  expect_error(c, ErrorCode::kNotFound, "key 999");
+  c.send(keyed(MsgType::kPush, 999, 1), {}, {1.0f});
+  expect_error(c, ErrorCode::kNotFound, "key 999");
+  expect_good_worker_served();
+  EXPECT_NE(server->log().find("bad request from worker 1"), std::string::npos) << server->log();
+}
+
+TEST_F(BadRequests, ShapeMismatchOnInitAndOnPush) {
+  RawClient c(server->address(), 1);
+  Header init = keyed(MsgType::kInit, 1, 4);
+  init.flags = proto::kFlagNoData;
+  init.ndim = 2;
+  const std::uint64_t dims[] = {2, 2};
+  c.send(init, dims);
+  expect_error(c, ErrorCode::kShapeMismatch, "[4]");
+  c.send(keyed(MsgType::kPush, 1, 3), {}, {1, 2, 3});
+  expect_error(c, ErrorCode::kShapeMismatch, "holds 4 elements");
+  expect_good_worker_served();
+}
+
+TEST_F(BadRequests, DtypeMismatch) {
+  RawClient c(server->address(), 1);
+  Header push = keyed(MsgType::kPush, 1, 4);
+  push.dtype = proto::DType::kFloat16;
+  c.send(push, {}, {1.0f, 2.0f});  // 8 bytes = 4 float16
+  expect_error(c, ErrorCode::kShapeMismatch, "float16");
+  Header init = keyed(MsgType::kInit, 77, 2);
+  init.dtype = proto::DType::kBFloat16;
+  init.ndim = 1;
+  const std::uint64_t dims[] = {2};
+  c.send(init, dims, {1.0f});
+  expect_error(c, ErrorCode::kInvalidArgument, "bfloat16");
+  expect_good_worker_served();
+}
+
+TEST_F(BadRequests, BadLearningRateIsRefused) {
+  RawClient c(server->address(), 1);
+  Header h;
+  h.type = MsgType::kSetLearningRate;
+  h.dtype = proto::DType::kFloat64;
+  h.num_elements = 1;
+  h.worker_rank = 1;
+  h.request_id = 5;
+  const auto v = proto::encode_f64(-1.0);
+  c.send(proto::encode_message(h, {}, v));
+  expect_error(c, ErrorCode::kInvalidArgument, "learning rate");
+}
+
+TEST_F(BadRequests, MalformedMessageClosesOnlyThatConnection) {
+  RawClient c(server->address(), 1);
+  std::vector<std::byte> garbage(100, std::byte{0x5A});
+  c.send(garbage);
+  auto reason = c.closed();
+  ASSERT_TRUE(reason);
+  expect_good_worker_served();
+  EXPECT_NE(server->log().find("closing the connection of worker 1"), std::string::npos)
+      << server->log();
+  const std::string metrics = http_get(server->metrics_address(), "/metrics");
+  EXPECT_EQ(metrics.find("ember_server_bad_messages_total 0"), std::string::npos) << metrics;
+}
+
+TEST_F(BadRequests, RankThatDisagreesWithHandshakeClosesConnection) {
+  RawClient c(server->address(), 1);
+  Header h = keyed(MsgType::kPull, 1, 4);
+  h.worker_rank = 0;  // the handshake said 1
+  c.send(proto::encode_message(h, {}, {}));
+  ASSERT_TRUE(c.closed());
+  expect_good_worker_served();
+}
+
+TEST_F(BadRequests, RankOutsideTheJobIsRefused) {
+  RawClient c(server->address(), 7);
+  ASSERT_TRUE(c.closed());
+  expect_good_worker_served();
+  EXPECT_NE(server->log().find("refusing worker"), std::string::npos) << server->log();
+}
+
+TEST_F(BadRequests, WorkerWithAnotherClusterTableFailsToJoin) {
+  ClusterSpec other = spec;
+  other.num_workers = 3;
+  auto w = Worker::create(worker_config(other, {server->address()}, 1));
+  ASSERT_FALSE(w);
+  EXPECT_EQ(w.error().code(), ErrorCode::kConfig) << w.error().to_string();
+  EXPECT_NE(w.error().message().find("[cluster]"), std::string::npos) << w.error().to_string();
+}
+
+TEST(BadRequestsBsp, PushForAClosedRoundIsStale) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.loss_policy = "shrink";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(w);
+  const std::uint64_t shape[] = {2};
+  ASSERT_TRUE((*w)->init(1, shape, std::vector<float>{1, 1}).wait());
+  {
+    RawClient gone(server.address(), 1);  // rank 1 connects and leaves: excluded
+  }
+  ASSERT_TRUE((*w)->push(1, std::vector<float>{1, 1}).wait());
+  std::vector<float> p(2);
+  ASSERT_TRUE((*w)->pull(1, p).wait());  // round 0 closed without rank 1
+  RawClient late(server.address(), 1);
+  late.send(keyed(MsgType::kPush, 1, 2, 0), {}, {5, 5});
+  std::string text;
+  auto h = late.reply(&text);
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, ErrorCode::kStale) << text;
+  EXPECT_NE(text.find("pull to catch up"), std::string::npos) << text;
+}
+
+// --- the daemon's command line ---
+
+struct CliResult {
+  int status = -1;
+  std::string out, err;
+};
+
+CliResult run_cli(const TempDir& dir, const std::vector<std::string>& args) {
+  const auto err = dir / "cli.err";
+  std::filesystem::remove(err);
+  Process p(server_binary(), args, err);
+  while (p.wait_line("\x01", 10s)) {
+  }
+  CliResult r;
+  auto st = p.wait_exit(10s);
+  if (st && WIFEXITED(*st)) r.status = WEXITSTATUS(*st);
+  for (const auto& l : p.lines()) r.out += l + "\n";
+  r.err = read_file(err);
+  return r;
+}
+
+TEST(ServerCli, CheckConfigAcceptsAValidFile) {
+  TempDir dir;
+  write_file(dir / "ok.toml", cluster_toml(ClusterSpec{}, {"127.0.0.1:7070"}));
+  auto r = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--check-config"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("configuration is valid"), std::string::npos) << r.out;
+}
+
+TEST(ServerCli, CheckConfigRefusesBadFilesWithFileAndLine) {
+  TempDir dir;
+  struct Case {
+    std::string name, text, needle;
+  };
+  const std::vector<Case> cases{
+      {"syntax.toml", "[server]\nconsistency = \n", "syntax.toml:"},
+      {"unknown.toml", "[server]\nconsistancy = \"bsp\"\n", "consistency"},
+      {"value.toml", "[server]\nconsistency = \"eventual\"\n", "value.toml:2"},
+      {"range.toml", "[cluster]\nnum_workers = 0\n", "num_workers"},
+      {"index.toml", "[server]\nserver_index = 3\n", "server_index"},
+      {"unit.toml", "[communication]\nflush_interval = \"20\"\n", "flush_interval"},
+  };
+  for (const auto& c : cases) {
+    write_file(dir / c.name, c.text);
+    auto r = run_cli(dir, {"--config", (dir / c.name).string(), "--check-config"});
+    EXPECT_EQ(r.status, 1) << c.name << ": " << r.out << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.name << ": " << r.err;
+  }
+  auto missing = run_cli(dir, {"--config", (dir / "nope.toml").string(), "--check-config"});
+  EXPECT_EQ(missing.status, 1);
+  EXPECT_NE(missing.err.find("nope.toml"), std::string::npos) << missing.err;
+}
+
+TEST(ServerCli, PrintConfigShowsTheEffectiveConfigWithOverrides) {
+  TempDir dir;
+  auto r = run_cli(dir, {"--print-config", "--listen", "127.0.0.1:9999", "--set",
+                         "optimizer.type=adam"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto cfg = config::parse_config(r.out, "printed");
+  ASSERT_TRUE(cfg) << cfg.error().to_string();
+  EXPECT_EQ(cfg->optimizer.type, config::OptimizerType::kAdam);
+  ASSERT_TRUE(cfg->server.listen);
+  EXPECT_EQ(cfg->server.listen->port, 9999);
+}
+
+TEST(ServerMetrics, EndpointServesPrometheusText) {
+  TempDir dir;
+  ClusterSpec spec;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(w);
+  const std::uint64_t shape[] = {4};
+  ASSERT_TRUE((*w)->init(1, shape, std::vector<float>{1, 2, 3, 4}).wait());
+  std::vector<float> p(4);
+  ASSERT_TRUE((*w)->push_pull(1, std::vector<float>{1, 1, 1, 1}, p).wait());
+  const std::string text = http_get(server.metrics_address(), "/metrics");
+  EXPECT_NE(text.find("200 OK"), std::string::npos) << text;
+  EXPECT_NE(text.find("text/plain; version=0.0.4"), std::string::npos);
+  for (const char* name :
+       {"ember_server_bytes_received", "ember_server_frames_sent", "ember_server_batch_fill_ratio",
+        "ember_server_shard_ring_items{shard=\"0\"}", "ember_server_request_latency_us_bucket",
+        "ember_pool_bytes_in_use", "ember_server_bad_messages_total",
+        "ember_server_checksum_failures_total", "ember_server_workers_connected 1",
+        "ember_server_worker_step{rank=\"0\"}"}) {
+    EXPECT_NE(text.find(name), std::string::npos) << name << " missing in:\n" << text;
+  }
+  EXPECT_NE(http_get(server.metrics_address(), "/nope").find("404"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ember::test
