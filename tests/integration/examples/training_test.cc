@@ -1,0 +1,405 @@
+// Fashion-MNIST training through Ember, with real processes: a real
+// ember-server and real fmnist-worker processes on 127.0.0.1, on the real
+// data (Debian package dataset-fashion-mnist).
+//
+// The model is the demo's MLP with a narrower hidden layer (784-32-10) and
+// the runs are a few hundred steps, so that a Debug build finishes in
+// seconds; the code path (EmberExchange, pool buffers, overlap, the server's
+// bsp averaging and momentum SGD) is the demo's.
+//
+// Covered: a short bsp run learns (loss falls, accuracy rises above a floor,
+// both workers end with the same model); bsp with 2 workers gives the
+// parameters of one process trained with the doubled batch (the sampler
+// makes the samples identical; only float summation order differs); every
+// failure is a clear message and a non-zero exit: server absent, server
+// killed mid-training, a worker lost, a server holding an earlier job, a bad
+// rank.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "examples/fashion_mnist/data.h"
+#include "examples/fashion_mnist/mlp.h"
+#include "examples/fashion_mnist/optimizer.h"
+#include "examples/fashion_mnist/trainer.h"
+#include "tests/integration/examples/process.h"
+
+namespace ember::fashion_mnist {
+namespace {
+
+using namespace std::chrono_literals;
+using ember::testing::Process;
+
+// Generous: Debug binaries on a loaded 2-core machine.
+constexpr auto kRunTimeout = 240s;
+constexpr auto kStartTimeout = 60s;
+
+// The model and the per-worker batch of these tests.
+constexpr std::size_t kHidden = 32;
+constexpr std::size_t kBatch = 32;
+
+// "key=value" out of a RESULT/epoch line; nullopt when absent.
+std::optional<std::string> field(const std::string& line, const std::string& key) {
+  const std::regex re("(^| )" + key + "=([^ ]+)");
+  std::smatch m;
+  if (!std::regex_search(line, m, re)) return std::nullopt;
+  return m[2].str();
+}
+double number(const std::string& line, const std::string& key) {
+  const auto v = field(line, key);
+  EXPECT_TRUE(v.has_value()) << "no " << key << "= in: " << line;
+  return v ? std::stod(*v) : std::nan("");
+}
+
+// Lines of `p`'s stdout starting with `prefix`.
+std::vector<std::string> lines_with(const Process& p, const std::string& prefix) {
+  std::vector<std::string> out;
+  for (const auto& l : p.lines()) {
+    if (l.rfind(prefix, 0) == 0) out.push_back(l);
+  }
+  return out;
+}
+
+std::vector<float> read_floats(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), {});
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0.0;
+  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    m = std::max(m, static_cast<double>(std::fabs(a[i] - b[i])));
+  }
+  return m;
+}
+
+class FmnistJob : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           fmt::format("ember-fmnist-it-{}-{}", ::getpid(), info->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir_, ec);
+    } else {
+      std::fprintf(stderr, "logs kept in %s\n", dir_.c_str());
+    }
+  }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // A job config: tcp on 127.0.0.1, bsp, momentum SGD lr 0.05 m 0.9 (the
+  // demo's), a lost worker fails the round at once. The server address is a
+  // placeholder: the server listens on a free port (--listen :0) and the
+  // workers get the real one with --set.
+  std::string write_config(std::uint32_t num_workers, const std::string& extra_server = "") {
+    const std::string p = path(fmt::format("job-{}.toml", configs_++));
+    std::ofstream f(p);
+    f << "[communication]\n"
+         "transport = \"tcp\"\n"
+         "prealloc_pages = 16\n"
+         "heartbeat_interval = \"250ms\"\n"
+         "heartbeat_timeout = \"5s\"\n"
+         "[cluster]\n"
+         "servers = [\"127.0.0.1:1\"]\n"
+      << "num_workers = " << num_workers << "\n"
+      << "[server]\n"
+         "consistency = \"bsp\"\n"
+         "on_worker_loss = \"fail\"\n"
+      << extra_server
+      << "[optimizer]\n"
+         "type = \"momentum\"\n"
+         "learning_rate = 0.05\n"
+         "momentum = 0.9\n"
+         "[worker]\n"
+         "request_timeout = \"120s\"\n"
+         "connect_retries = 0\n";
+    return p;
+  }
+
+  // Starts ember-server and waits for its ready line; sets port_.
+  std::unique_ptr<Process> start_server(const std::string& config) {
+    auto p = std::make_unique<Process>(
+        std::vector<std::string>{EMBER_SERVER_BIN, "--config", config, "--listen", "127.0.0.1:0"},
+        path("server.log"));
+    const auto ready = p->wait_line("ember-server ready", kStartTimeout);
+    EXPECT_TRUE(ready.has_value()) << "server not ready; log:\n" << p->stderr_text();
+    if (!ready) return nullptr;
+    const std::smatch m = [&] {
+      std::smatch r;
+      std::regex_search(*ready, r, std::regex("listen=127\\.0\\.0\\.1:([0-9]+)"));
+      return r;
+    }();
+    EXPECT_FALSE(m.empty()) << *ready;
+    port_ = m.empty() ? 0 : std::stoi(m[1].str());
+    return p;
+  }
+
+  // fmnist-worker of rank `rank` on `config`, talking to the server on
+  // port_, with the small model and `args`.
+  std::unique_ptr<Process> start_worker(const std::string& config, std::uint32_t rank,
+                                        const std::vector<std::string>& args) {
+    std::vector<std::string> argv{FMNIST_WORKER_BIN,
+                                  "--config",
+                                  config,
+                                  "--rank",
+                                  std::to_string(rank),
+                                  "--set",
+                                  fmt::format("cluster.servers=127.0.0.1:{}", port_),
+                                  "--hidden",
+                                  std::to_string(kHidden),
+                                  "--batch-size",
+                                  std::to_string(kBatch),
+                                  "--eval-batch-size",
+                                  "500",
+                                  "--max-eval-samples",
+                                  "2000",
+                                  "--log-level",
+                                  "warn"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return std::make_unique<Process>(argv, path(fmt::format("worker-{}-{}.log", rank, workers_++)));
+  }
+
+  static std::string describe(Process& p) {
+    return fmt::format("stdout:\n{}\nstderr:\n{}", p.output(), p.stderr_text());
+  }
+
+  std::filesystem::path dir_;
+  int port_ = 0;
+  int configs_ = 0;
+  int workers_ = 0;
+};
+
+TEST_F(FmnistJob, TwoWorkersBspLossFallsAndAccuracyRises) {
+  const std::string config = write_config(2);
+  auto server = start_server(config);
+  ASSERT_NE(server, nullptr);
+  const std::vector<std::string> args{"--epochs", "2", "--max-steps-per-epoch", "100",
+                                      "--initial-eval", "--progress-every", "10"};
+  auto w0 = start_worker(config, 0, args);
+  auto w1 = start_worker(config, 1, args);
+  ASSERT_EQ(w0->wait_exit(kRunTimeout), 0) << describe(*w0);
+  ASSERT_EQ(w1->wait_exit(kRunTimeout), 0) << describe(*w1);
+
+  for (Process* w : {w0.get(), w1.get()}) {
+    const auto initial = lines_with(*w, "initial ");
+    const auto epochs = lines_with(*w, "epoch ");
+    const auto progress = lines_with(*w, "progress ");
+    const auto result = lines_with(*w, "RESULT ");
+    ASSERT_EQ(initial.size(), 1u) << describe(*w);
+    ASSERT_EQ(epochs.size(), 2u) << describe(*w);
+    ASSERT_EQ(progress.size(), 20u) << describe(*w);
+    ASSERT_EQ(result.size(), 1u) << describe(*w);
+    // Loss falls: per epoch, and from the first logged steps (batch losses,
+    // noisy: three averaged) to the last.
+    EXPECT_LT(number(epochs[1], "train_loss"), number(epochs[0], "train_loss")) << describe(*w);
+    auto mean_loss = [&](std::size_t first) {
+      double sum = 0.0;
+      for (std::size_t i = first; i < first + 3; ++i) sum += number(progress[i], "loss");
+      return sum / 3;
+    };
+    EXPECT_LT(mean_loss(progress.size() - 3), 0.8 * mean_loss(0)) << describe(*w);
+    // Accuracy rises from chance to well above it.
+    EXPECT_LT(number(initial[0], "test_accuracy"), 0.3) << describe(*w);
+    EXPECT_GT(number(result[0], "test_accuracy"), 0.70) << describe(*w);
+    EXPECT_EQ(field(result[0], "steps"), "200");
+    EXPECT_EQ(field(result[0], "workers"), "2");
+    EXPECT_EQ(field(result[0], "consistency"), "bsp");
+    const double share = number(result[0], "comm_share");
+    EXPECT_GE(share, 0.0);
+    EXPECT_LE(share, 1.0);
+  }
+  // bsp: both workers pulled the same parameters after every step, so they
+  // evaluate the same model.
+  EXPECT_EQ(field(lines_with(*w0, "RESULT ")[0], "test_accuracy"),
+            field(lines_with(*w1, "RESULT ")[0], "test_accuracy"));
+
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
+}
+
+TEST_F(FmnistJob, BspTwoWorkersMatchOneProcessWithTheDoubledBatch) {
+  constexpr std::size_t kSteps = 40;
+  const std::string config = write_config(2);
+  auto server = start_server(config);
+  ASSERT_NE(server, nullptr);
+  auto args = [&](int rank) {
+    return std::vector<std::string>{"--epochs", "1", "--max-steps-per-epoch",
+                                    std::to_string(kSteps), "--progress-every", "0",
+                                    "--save-params", path(fmt::format("params-{}.bin", rank))};
+  };
+  auto w0 = start_worker(config, 0, args(0));
+  auto w1 = start_worker(config, 1, args(1));
+
+  // Meanwhile, the reference: one process, no Ember, batch 2 * kBatch, the
+  // same seed, model and optimizer formulas.
+  auto data = load_fashion_mnist();
+  ASSERT_TRUE(data.has_value()) << data.error().to_string();
+  auto train_reference = [&](std::size_t steps) {
+    TrainerOptions o;
+    o.batch_size = 2 * kBatch;
+    o.epochs = 1;
+    o.seed = 1;
+    o.max_steps_per_epoch = steps;
+    o.eval_batch_size = 500;
+    o.max_eval_samples = 500;
+    MlpSpec spec;
+    spec.layer_sizes = {kImagePixels, kHidden, kNumClasses};
+    auto model = Mlp::create(spec, required_max_batch_size(o));
+    EMBER_CHECK(model.has_value());
+    std::vector<float> values(model->num_parameters());
+    std::vector<float> grads(model->num_parameters());
+    EMBER_CHECK(model->bind(values, grads).has_value());
+    SgdOptions sgd;
+    sgd.lr = 0.05;
+    sgd.momentum = 0.9;
+    auto optimizer = make_sgd(sgd);
+    EMBER_CHECK(optimizer.has_value());
+    LocalExchange exchange(**optimizer);
+    auto trainer = Trainer::create(o, *model, data->train, data->test, exchange);
+    EMBER_CHECK(trainer.has_value());
+    auto run = trainer->run();
+    EMBER_CHECK(run.has_value());
+    return values;
+  };
+  const std::vector<float> reference = train_reference(kSteps);
+  const std::vector<float> one_step_short = train_reference(kSteps - 1);
+
+  ASSERT_EQ(w0->wait_exit(kRunTimeout), 0) << describe(*w0);
+  ASSERT_EQ(w1->wait_exit(kRunTimeout), 0) << describe(*w1);
+  const std::vector<float> p0 = read_floats(path("params-0.bin"));
+  const std::vector<float> p1 = read_floats(path("params-1.bin"));
+  ASSERT_EQ(p0.size(), reference.size());
+  // Both workers hold the server's bytes.
+  EXPECT_EQ(p0, p1);
+  // Same model as one process up to float rounding (the server sums the two
+  // workers' mean gradients in rank order and halves; one process sums 64
+  // samples in Eigen's order). Measured: 3.6e-7 after 40 steps.
+  constexpr double kTolerance = 2e-5;
+  const double diff = max_abs_diff(p0, reference);
+  EXPECT_LT(diff, kTolerance);
+  // The tolerance is meaningful: one step less is far outside it.
+  const double step_diff = max_abs_diff(reference, one_step_short);
+  EXPECT_GT(step_diff, 50 * kTolerance);
+  std::printf("max |ember - one process| = %.3g, one step = %.3g\n", diff, step_diff);
+
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
+}
+
+TEST_F(FmnistJob, ServerAbsentIsAClearErrorAndExitCode1) {
+  // A port nobody listens on: bind one, learn its number, close it.
+  {
+    auto probe = std::make_unique<Process>(
+        std::vector<std::string>{EMBER_SERVER_BIN, "--config", write_config(1), "--listen",
+                                 "127.0.0.1:0"},
+        path("probe.log"));
+    const auto ready = probe->wait_line("ember-server ready", kStartTimeout);
+    ASSERT_TRUE(ready.has_value()) << probe->stderr_text();
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(*ready, m, std::regex(":([0-9]+) ")));
+    port_ = std::stoi(m[1].str());
+    probe->signal(SIGTERM);
+    ASSERT_EQ(probe->wait_exit(kStartTimeout), 0);
+  }
+  auto w = start_worker(write_config(1), 0, {"--set", "worker.connect_timeout=1s"});
+  EXPECT_EQ(w->wait_exit(kStartTimeout), 1) << describe(*w);
+  const std::string err = w->stderr_text();
+  EXPECT_NE(err.find("fmnist-worker rank 0: error:"), std::string::npos) << err;
+  EXPECT_NE(err.find(fmt::format("cannot connect to server 0 at 127.0.0.1:{}", port_)),
+            std::string::npos)
+      << err;
+  EXPECT_TRUE(lines_with(*w, "RESULT").empty());
+}
+
+TEST_F(FmnistJob, ServerKilledMidTrainingStopsEveryWorkerWithAnError) {
+  const std::string config = write_config(2);
+  auto server = start_server(config);
+  ASSERT_NE(server, nullptr);
+  const std::vector<std::string> args{"--epochs", "1", "--progress-every", "5"};
+  auto w0 = start_worker(config, 0, args);
+  auto w1 = start_worker(config, 1, args);
+  ASSERT_TRUE(w0->wait_line("progress ", kRunTimeout).has_value()) << describe(*w0);
+  server->signal(SIGKILL);
+  for (Process* w : {w0.get(), w1.get()}) {
+    EXPECT_EQ(w->wait_exit(kStartTimeout), 1) << describe(*w);
+    const std::string err = w->stderr_text();
+    EXPECT_NE(err.find(": error: "), std::string::npos) << err;
+    // The message says where training stopped.
+    EXPECT_NE(err.find("epoch 1 step"), std::string::npos) << err;
+    EXPECT_TRUE(lines_with(*w, "RESULT").empty());
+  }
+}
+
+TEST_F(FmnistJob, LostWorkerFailsTheOthersUnderTheFailPolicy) {
+  const std::string config = write_config(2);
+  auto server = start_server(config);
+  ASSERT_NE(server, nullptr);
+  const std::vector<std::string> args{"--epochs", "1", "--progress-every", "5"};
+  auto w0 = start_worker(config, 0, args);
+  auto w1 = start_worker(config, 1, args);
+  ASSERT_TRUE(w1->wait_line("progress ", kRunTimeout).has_value()) << describe(*w1);
+  w1->signal(SIGKILL);
+  EXPECT_EQ(w0->wait_exit(kStartTimeout), 1) << describe(*w0);
+  const std::string err = w0->stderr_text();
+  EXPECT_NE(err.find("error: worker_lost"), std::string::npos) << err;
+  // The server survives a lost worker and stops cleanly.
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
+}
+
+TEST_F(FmnistJob, ServerHoldingAnEarlierJobIsRefused) {
+  const std::string config = write_config(1);
+  auto server = start_server(config);
+  ASSERT_NE(server, nullptr);
+  const std::vector<std::string> args{"--epochs", "1", "--max-steps-per-epoch", "5",
+                                      "--progress-every", "0"};
+  auto first = start_worker(config, 0, args);
+  ASSERT_EQ(first->wait_exit(kRunTimeout), 0) << describe(*first);
+  auto second = start_worker(config, 0, args);
+  EXPECT_EQ(second->wait_exit(kRunTimeout), 1) << describe(*second);
+  const std::string err = second->stderr_text();
+  EXPECT_NE(err.find("already hold this tensor at step 5"), std::string::npos) << err;
+  EXPECT_NE(err.find("start fresh servers"), std::string::npos) << err;
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
+}
+
+TEST_F(FmnistJob, BadRankAndMissingConfigAreRefused) {
+  port_ = 1;  // never reached: the config is refused first
+  auto bad_rank = start_worker(write_config(2), 2, {});
+  EXPECT_EQ(bad_rank->wait_exit(kStartTimeout), 1) << describe(*bad_rank);
+  EXPECT_NE(bad_rank->stderr_text().find("rank"), std::string::npos) << bad_rank->stderr_text();
+
+  Process missing({FMNIST_WORKER_BIN, "--config", path("no-such.toml")}, path("missing.log"));
+  const auto rc = missing.wait_exit(kStartTimeout);
+  ASSERT_TRUE(rc.has_value());
+  EXPECT_NE(*rc, 0);
+  EXPECT_NE(missing.stderr_text().find("no-such.toml"), std::string::npos) << missing.stderr_text();
+}
+
+}  // namespace
+}  // namespace ember::fashion_mnist
