@@ -48,9 +48,12 @@ void on_all(std::uint32_t n, Fn fn) {
   for (auto& t : threads) t.join();
 }
 
-TEST(ServerEndToEnd, BspInitPushPullBarrierTwoWorkers) {
+class ServerOverTransport : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ServerOverTransport, BspInitPushPullBarrierTwoWorkers) {
   TempDir dir;
   ClusterSpec spec;
+  spec.transport = GetParam();
   spec.num_workers = 2;
   spec.learning_rate = 0.5;
   ServerProcess server(dir, spec, 0);
@@ -78,6 +81,44 @@ TEST(ServerEndToEnd, BspInitPushPullBarrierTwoWorkers) {
     for (int i = 0; i < 6; ++i) EXPECT_FLOAT_EQ(params[i], init[i] - 5 * 0.5f * 1.5f) << i;
   });
 }
+
+// Large tensors: chunks leave from pool memory (tcp: gathered writes; shm:
+// by reference) and replies come back in pool blocks.
+TEST_P(ServerOverTransport, LargeChunkedTensorRoundTrips) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.num_workers = 2;
+  spec.partition_bytes = "1MB";
+  spec.learning_rate = 1.0;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto workers = make_workers(spec, {server.address()});
+  ASSERT_TRUE(workers[0] && workers[1]);
+  const std::uint64_t n = 3 * (1u << 20) / 4 + 1000;  // 3 MiB + change: 4 chunks
+  const std::uint64_t shape[] = {n};
+  on_all(2, [&](std::uint32_t r) {
+    Worker& w = *workers[r];
+    TensorBuffer values = w.allocate(n * 4);
+    for (std::uint64_t i = 0; i < n; ++i) values.floats()[i] = static_cast<float>(i % 1000);
+    ASSERT_TRUE(w.init(11, shape, r == 0 ? std::span<const float>(values.floats()) : std::span<const float>()).wait());
+    TensorBuffer grad = w.allocate(n * 4);
+    for (std::uint64_t i = 0; i < n; ++i) grad.floats()[i] = static_cast<float>(r);  // mean 0.5
+    TensorBuffer out = w.allocate(n * 4);
+    for (int t = 0; t < 2; ++t) {
+      auto res = w.push_pull(11, grad.floats(), out.floats()).wait();
+      ASSERT_TRUE(res) << res.error().to_string();
+    }
+    for (std::uint64_t i = 0; i < n; i += 997) {
+      ASSERT_EQ(out.floats()[i], static_cast<float>(i % 1000) - 1.0f) << i;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, ServerOverTransport, ::testing::Values("tcp", "shm"),
+                         [](const ::testing::TestParamInfo<const char*>& param_info) {
+                           return std::string(param_info.param);
+                         });
 
 
 // --- BSP determinism: K workers == one worker with the combined batch ---
@@ -246,6 +287,7 @@ struct OptCase {
   const char* type;
   const char* extra;
 };
+void PrintTo(const OptCase& c, std::ostream* os) { *os << c.type; }
 
 class ServerOptimizer : public ::testing::TestWithParam<OptCase> {};
 

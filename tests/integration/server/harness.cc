@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <fstream>
 #include <sstream>
 
@@ -166,7 +167,15 @@ ServerProcess::ServerProcess(const TempDir& dir, const ClusterSpec& spec, std::u
   const auto cfg = dir / fmt::format("server{}.toml", index);
   write_file(cfg, cluster_toml(spec, placeholders));
   log_ = dir / fmt::format("server{}.log", index);
-  std::vector<std::string> args{"--config", cfg.string(), "--listen", "127.0.0.1:0", "--set",
+  // tcp binds any free port. shm listens on the abstract socket named after
+  // host:port, so pick a port number unlikely to be in use by another test.
+  static std::atomic<std::uint32_t> counter{0};
+  const std::string listen =
+      spec.transport == "shm"
+          ? fmt::format("127.0.0.1:{}", 20000 + (static_cast<std::uint32_t>(::getpid()) * 131 +
+                                                 counter.fetch_add(1) * 7919) % 40000)
+          : std::string("127.0.0.1:0");
+  std::vector<std::string> args{"--config", cfg.string(), "--listen", listen, "--set",
                                 fmt::format("server.server_index={}", index), "--set",
                                 "server.metrics_listen=127.0.0.1:0"};
   args.insert(args.end(), extra_args.begin(), extra_args.end());
@@ -180,7 +189,7 @@ ServerProcess::ServerProcess(const TempDir& dir, const ClusterSpec& spec, std::u
     const auto from = at + name.size() + 1;
     return line->substr(from, line->find(' ', from) - from);
   };
-  address_ = field("listen");
+  address_ = spec.transport == "shm" ? listen : field("listen");
   metrics_ = field("metrics");
 }
 
