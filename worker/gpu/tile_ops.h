@@ -38,7 +38,7 @@ namespace ember::gpu {
 // many bytes in flight with fewer groups, within 64 registers per thread
 // (1024-thread blocks).
 template <bool kDelta, bool kEf>
-inline constexpr std::uint32_t kTileUnroll = kDelta && kEf ? 1 : (kDelta || kEf ? 2 : 4);
+inline constexpr std::uint32_t kTileUnroll = kDelta && kEf ? 1 : (kDelta || kEf ? 2 : 8);
 
 struct F4 {
   float x, y, z, w;
