@@ -6,6 +6,8 @@
 #include <cmath>
 #include <random>
 #include <bit>
+#include <condition_variable>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -241,7 +243,9 @@ TEST(ServerEndToEnd, SspNeverLetsAWorkerRunMoreThanSStepsAhead) {
   const int steps = 12;
   const std::uint64_t s = spec.staleness;
   std::atomic<int> issued[2] = {0, 0};       // pushes worker r has started
-  std::atomic<int> pulls_started0{0};        // pulls worker 0 has started
+  std::mutex mutex;
+  std::condition_variable cv;
+  int pulls_started0 = 0;                    // pulls worker 0 has started (guarded)
   std::atomic<int> violations{0};
   std::atomic<bool> failed{false};
   on_all(2, [&](std::uint32_t r) {
@@ -256,15 +260,18 @@ TEST(ServerEndToEnd, SspNeverLetsAWorkerRunMoreThanSStepsAhead) {
       if (r == 1) {
         // The slow worker: step t starts only once the fast one has asked
         // for step t + s + 1, which SSP must hold back until this push.
-        const auto deadline = std::chrono::steady_clock::now() + 10s;
-        while (pulls_started0.load() < std::min(t + static_cast<int>(s) + 1, steps) &&
-               std::chrono::steady_clock::now() < deadline) {
-          std::this_thread::yield();
-        }
+        std::unique_lock lock(mutex);
+        cv.wait_for(lock, 10s, [&] {
+          return pulls_started0 >= std::min(t + static_cast<int>(s) + 1, steps);
+        });
       }
       issued[r].fetch_add(1);
       if (!w.push(2, g).wait()) failed = true;
-      if (r == 0) pulls_started0.fetch_add(1);
+      if (r == 0) {
+        std::lock_guard lock(mutex);
+        ++pulls_started0;
+        cv.notify_all();
+      }
       auto res = w.pull(2, p).wait();  // wants step t + 1
       if (!res) {
         failed = true;

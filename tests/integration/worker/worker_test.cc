@@ -1,0 +1,238 @@
+// The worker client against a real server running in this process
+// (ember::server::Server, TCP on 127.0.0.1): argument errors as failed
+// Handles, unreachable servers, request timeouts, reconnect after a server
+// restart, set_learning_rate, Asio completion, pipelines from many threads,
+// pool buffers.
+#include "worker/worker.h"
+
+#include <future>
+#include <thread>
+
+#include <boost/asio/io_context.hpp>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/memory/size_class.h"
+#include "server/server.h"
+
+namespace ember {
+namespace {
+
+using namespace std::chrono_literals;
+
+config::Config base_config(std::uint32_t workers) {
+  auto c = config::parse_config(
+      fmt::format("[communication]\nprealloc_pages = 8\npool_backing = \"plain\"\n"
+                  "heartbeat_interval = \"100ms\"\nheartbeat_timeout = \"2s\"\n"
+                  "[cluster]\nnum_workers = {}\n[optimizer]\ntype = \"sgd\"\nlearning_rate = 1.0\n"
+                  "[worker]\nrequest_timeout = \"10s\"\nconnect_timeout = \"2s\"\nconnect_retries = 2\n",
+                  workers),
+      "test");
+  EXPECT_TRUE(c) << c.error().to_string();
+  return *c;
+}
+
+// A server in this process on a free port; the config's server list points at it.
+struct LocalServer {
+  config::Config config;
+  std::unique_ptr<server::Server> server;
+
+  explicit LocalServer(config::Config c, const std::string& listen = "127.0.0.1:0") : config(std::move(c)) {
+    EXPECT_TRUE(config::set_listen(config, listen));
+    auto s = server::Server::create(config);
+    EXPECT_TRUE(s) << s.error().to_string();
+    if (!s) return;
+    server = std::move(*s);
+    const std::string address = server->address();
+    const std::string servers[] = {address};
+    EXPECT_TRUE(config::set_servers(config, servers));
+  }
+  std::unique_ptr<Worker> worker(std::uint32_t rank) const {
+    config::Config c = config;
+    config::set_worker_rank(c, rank);
+    auto w = Worker::create(c);
+    EXPECT_TRUE(w) << w.error().to_string();
+    return w ? std::move(*w) : nullptr;
+  }
+};
+
+const std::uint64_t kShape[] = {4};
+const std::vector<float> kInit{1, 2, 3, 4};
+
+TEST(WorkerClient, ArgumentErrorsComeBackAsFailedHandles) {
+  LocalServer s(base_config(1));
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  std::vector<float> out(4);
+  EXPECT_EQ(w->push(1, kInit).wait().error().code(), ErrorCode::kNotFound);
+  EXPECT_EQ(w->pull(1, out).wait().error().code(), ErrorCode::kNotFound);
+  EXPECT_EQ(w->init(1, kShape, std::vector<float>{1, 2}).wait().error().code(),
+            ErrorCode::kInvalidArgument);
+  const std::uint64_t nine_dims[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+  EXPECT_EQ(w->init(2, nine_dims, std::vector<float>{1}).wait().error().code(),
+            ErrorCode::kInvalidArgument);
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+  EXPECT_EQ(w->push(1, std::vector<float>{1, 2, 3}).wait().error().code(),
+            ErrorCode::kInvalidArgument);
+  std::vector<float> small(3);
+  EXPECT_EQ(w->pull(1, small).wait().error().code(), ErrorCode::kInvalidArgument);
+  const std::uint64_t other[] = {2, 2};
+  EXPECT_EQ(w->init(1, other, kInit).wait().error().code(), ErrorCode::kShapeMismatch);
+  EXPECT_EQ(w->set_learning_rate(-0.1).wait().error().code(), ErrorCode::kInvalidArgument);
+}
+
+TEST(WorkerClient, UnreachableServerFailsCreateWithTheAddress) {
+  config::Config c = base_config(1);
+  const std::string servers[] = {"127.0.0.1:1"};  // nothing listens on port 1
+  ASSERT_TRUE(config::set_servers(c, servers));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto w = Worker::create(c);
+  ASSERT_FALSE(w);
+  EXPECT_NE(w.error().message().find("127.0.0.1:1"), std::string::npos) << w.error().to_string();
+  EXPECT_NE(w.error().message().find("3 attempt"), std::string::npos) << w.error().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+}
+
+TEST(WorkerClient, RequestTimeoutEndsAWaitThatCannotComplete) {
+  config::Config c = base_config(2);
+  ASSERT_TRUE(config::set_value(c, "worker.request_timeout", "300ms"));
+  LocalServer s(c);
+  auto w0 = s.worker(0);
+  auto w1 = s.worker(1);
+  ASSERT_TRUE(w0 && w1);
+  auto i1 = w1->init(1, kShape, {});
+  ASSERT_TRUE(w0->init(1, kShape, kInit).wait());
+  ASSERT_TRUE(i1.wait());
+  ASSERT_TRUE(w0->push(1, kInit).wait());
+  std::vector<float> out(4, -1.0f);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = w0->pull(1, out).wait();  // rank 1 never pushes step 0
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kTimeout);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 250ms);
+  // The late reply (once rank 1 pushes) is dropped: `out` is not touched.
+  ASSERT_TRUE(w1->push(1, kInit).wait());
+  std::vector<float> fresh(4);
+  ASSERT_TRUE(w1->pull(1, fresh).wait());
+  // The late pull reply went out on w0's channel before the barrier's reply.
+  auto b1 = w1->barrier();
+  ASSERT_TRUE(w0->barrier().wait());
+  ASSERT_TRUE(b1.wait());
+  EXPECT_EQ(out, std::vector<float>(4, -1.0f));
+}
+
+TEST(WorkerClient, ReconnectsAfterTheServerRestarts) {
+  config::Config c = base_config(1);
+  auto dir = std::filesystem::temp_directory_path() / fmt::format("ember-wt-{}", ::getpid());
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(config::set_value(c, "server.checkpoint_dir", dir.string()));
+  auto s = std::make_unique<LocalServer>(c);
+  ASSERT_TRUE(s->server);
+  auto w = s->worker(0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+  std::vector<float> out(4);
+  ASSERT_TRUE(w->push_pull(1, std::vector<float>{1, 1, 1, 1}, out).wait());
+  // Stop (final checkpoint) and start again on the same port.
+  const std::string address = s->server->address();
+  config::Config same = s->config;
+  ASSERT_TRUE(s->server->shutdown());
+  s.reset();
+  LocalServer again(same, address);
+  ASSERT_TRUE(again.server);
+  // The next call reconnects and joins again; state came from the checkpoint.
+  std::vector<float> after(4);
+  auto r = w->pull(1, after).wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_EQ(after, out);
+  EXPECT_EQ(*r, 1u);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(WorkerClient, SetLearningRateAppliesToLaterSteps) {
+  LocalServer s(base_config(1));
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+  std::vector<float> out(4);
+  const std::vector<float> g(4, 1.0f);
+  ASSERT_TRUE(w->push_pull(1, g, out).wait());  // lr 1
+  ASSERT_TRUE(w->set_learning_rate(0.25).wait());
+  ASSERT_TRUE(w->push_pull(1, g, out).wait());  // lr 0.25
+  EXPECT_EQ(out, (std::vector<float>{-0.25f, 0.75f, 1.75f, 2.75f}));
+}
+
+TEST(WorkerClient, AsioCompletionTokens) {
+  LocalServer s(base_config(1));
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+  boost::asio::io_context io;
+  std::vector<float> out(4);
+  std::optional<Result<std::uint64_t>> pushed, pulled;
+  std::promise<void> both_done;
+  w->push(1, std::vector<float>{1, 1, 1, 1}).async_wait(io.get_executor(), [&](Result<std::uint64_t> r) {
+    pushed = r;
+    w->pull(1, out).async_wait(io.get_executor(), [&](Result<std::uint64_t> q) {
+      pulled = q;
+      both_done.set_value();
+    });
+  });
+  auto guard = boost::asio::make_work_guard(io);
+  std::thread runner([&] { io.run(); });  // the handlers run on `runner`
+  const bool finished = both_done.get_future().wait_for(10s) == std::future_status::ready;
+  guard.reset();
+  io.stop();
+  runner.join();
+  ASSERT_TRUE(finished);
+  ASSERT_TRUE(pushed && *pushed);
+  ASSERT_TRUE(pulled && *pulled);
+  EXPECT_EQ(out, (std::vector<float>{0, 1, 2, 3}));
+}
+
+TEST(WorkerClient, PipelineFromManyThreads) {
+  LocalServer s(base_config(1));
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  const int keys = 400;
+  std::vector<Handle> inits;
+  for (int k = 0; k < keys; ++k) inits.push_back(w->init(static_cast<Key>(k), kShape, kInit));
+  ASSERT_TRUE(wait_all(inits));
+  // Gradients must stay valid until the operations are done (here: wait()).
+  const std::vector<float> g(4, 1.0f);
+  {
+    Pipeline pipe = w->pipeline();
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        for (int k = t; k < keys; k += 4) pipe.enqueue(static_cast<Key>(k), g);
+      });
+    }
+    for (auto& th : threads) th.join();
+    ASSERT_TRUE(pipe.wait());
+  }
+  std::vector<float> out(4);
+  for (int k = 0; k < keys; k += 37) {
+    ASSERT_TRUE(w->pull(static_cast<Key>(k), out).wait());
+    EXPECT_EQ(out, (std::vector<float>{0, 1, 2, 3})) << k;
+  }
+}
+
+TEST(WorkerClient, AllocateHandsOutPoolBlocksAndFallsBackAboveTheLargestClass) {
+  LocalServer s(base_config(1));
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  TensorBuffer a = w->allocate(4096);
+  EXPECT_TRUE(a.in_pool());
+  EXPECT_EQ(a.size_bytes(), 4096u);
+  EXPECT_EQ(a.floats().size(), 1024u);
+  TensorBuffer moved = std::move(a);
+  EXPECT_TRUE(a.empty());
+  EXPECT_TRUE(moved.in_pool());
+  TensorBuffer big = w->allocate(memory::kMaxBlockBytes + 4096);
+  EXPECT_FALSE(big.in_pool());
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(big.bytes().data()) % 4096, 0u);
+}
+
+}  // namespace
+}  // namespace ember
