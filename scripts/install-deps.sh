@@ -18,7 +18,9 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libconcurrentqueue-dev libmimalloc-dev libgloo-dev
   # data, Python package, tooling
-  dataset-fashion-mnist python3 python3-numpy python3-pytest python3-matplotlib
+  dataset-fashion-mnist python3 python3-numpy python3-pytest python3-matplotlib python3-yaml
+  # operator files: systemd-analyze (unit check), shellcheck, perf (scripts/profile)
+  systemd shellcheck linux-perf
   iproute2 procps util-linux
 )
 

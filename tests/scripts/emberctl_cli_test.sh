@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# emberctl without a server: `tune` on given numbers prints exactly what the
+# formula gives (optimal_buffer_size = max(RTT x bandwidth, workers x average
+# message x 2), computed here again in awk) and the derived values; tune
+# --probe against `emberctl probe-sink`; `config check` on a good and a bad
+# file (exit codes, file:line); `record` on a recorded run; usage errors.
+#   emberctl_cli_test.sh EMBERCTL RECORD_RING_RUN
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+ctl=$1
+run_bin=$2
+tmp=$(mktemp -d)
+sink_pid=""
+cleanup() { [[ -n $sink_pid ]] && kill "$sink_pid" 2>/dev/null; rm -rf "$tmp"; }
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# tune on given numbers: 200 us x 25 Gbit/s = 625000 B; 16 x 128 KiB x 2 = 4194304 B.
+out=$("$ctl" tune --rtt 200us --bandwidth 25Gbit --workers 16 --avg-message-size 128KB --channels 4)
+bdp=$(awk 'BEGIN { printf "%d", 200e-6 * 25e9 / 8 }')
+dbl=$((16 * 131072 * 2))
+opt=$((bdp > dbl ? bdp : dbl))
+[[ $out == *"= $bdp bytes"* ]] || fail "tune: RTT x bandwidth is not $bdp: $out"
+[[ $out == *"x 2 = $dbl bytes"* ]] || fail "tune: workers term is not $dbl: $out"
+[[ $out == *"optimal_buffer_size = max(RTT x bandwidth, workers x average message x 2) = $opt bytes"* ]] \
+  || fail "tune: optimal_buffer_size is not $opt: $out"
+# Derived, per tools/emberctl/tune.h: window per channel 1048576 B -> 8 messages
+# -> 8 slots; batch = floor_pow2(1048576/4) = 256 KiB; 128 KiB messages are
+# below it: 8 x 128 KiB / 256 KiB = 4 batch blocks of 256 KiB, x 4 channels x 2
+# = 8 MiB; floor 2 x 4 x 4 MiB = 32 MiB -> 16 pages.
+[[ $out == *$'[communication]\nbatch_threshold = "256KB"\nring_buffer_size = 8\nprealloc_pages = 16'* ]] \
+  || fail "tune: recommendation: $out"
+
+set +e
+"$ctl" tune --rtt 50us --workers 2 --avg-message-size 4KB >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+[[ $rc == 2 ]] && grep -q -- "--bandwidth" "$tmp/err" || fail "tune without bandwidth: rc=$rc $(cat "$tmp/err")"
+set +e
+"$ctl" tune --rtt 50us --bandwidth 10Gb --workers 2 --avg-message-size 4KB >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+[[ $rc == 2 ]] && grep -q "10Gbit" "$tmp/err" || fail "tune with a bad bandwidth unit: rc=$rc"
+
+# tune --probe against a sink on loopback.
+mkfifo "$tmp/sink.fifo"
+"$ctl" probe-sink --listen 127.0.0.1:0 --clients 1 >"$tmp/sink.fifo" 2>"$tmp/sink.err" &
+sink_pid=$!
+exec 3<"$tmp/sink.fifo"
+line=""
+read -r -t 20 line <&3 || fail "probe-sink printed nothing in 20 s: $(cat "$tmp/sink.err")"
+addr=${line#emberctl probe-sink listening on }
+[[ $addr != "$line" ]] || addr=""
+[[ -n $addr ]] || fail "probe-sink printed no address"
+out=$("$ctl" tune --probe "$addr" --pings 20 --probe-duration 100ms --workers 2 --avg-message-size 4KB) \
+  || fail "tune --probe failed"
+[[ $out == *"measured: RTT "*"bandwidth "* && $out == *"recommended:"* ]] || fail "tune --probe: $out"
+wait "$sink_pid" || fail "probe-sink exited non-zero after its one client"
+sink_pid=""
+exec 3<&-
+
+# config check.
+out=$("$ctl" config check "$root/config/ember.toml") || fail "config check of config/ember.toml"
+[[ $out == *"config/ember.toml: valid"* ]] || fail "config check output: $out"
+printf '[communication]\nbatch_threshold = "4XB"\n' >"$tmp/bad.toml"
+set +e
+"$ctl" config check "$tmp/bad.toml" >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+[[ $rc == 1 ]] || fail "config check of a bad file: rc=$rc"
+grep -q "bad.toml:2" "$tmp/err" || fail "config check names no file:line: $(cat "$tmp/err")"
+grep -q "is NOT valid" "$tmp/err" || fail "config check verdict: $(cat "$tmp/err")"
+
+# record summary of a recorded run.
+"$run_bin" "$tmp/run.rec" --channels 2 --ranks 3 --messages 500 >/dev/null
+out=$("$ctl" record "$tmp/run.rec") || fail "emberctl record"
+[[ $out == *"recording of record_ring_run: 2 channel(s), 3 rank(s)"* ]] || fail "record: $out"
+[[ $out == *"hot (over twice the mean)"* ]] || fail "record: hot rank 0 not marked: $out"
+
+# usage errors.
+set +e
+"$ctl" >/dev/null 2>&1; rc=$?
+"$ctl" status >/dev/null 2>"$tmp/err"; rc2=$?
+set -e
+[[ $rc != 0 ]] || fail "emberctl without a subcommand exited 0"
+[[ $rc2 == 2 ]] && grep -q -- "--config FILE" "$tmp/err" || fail "status without targets: rc=$rc2"
+echo "emberctl_cli_test: ok"
