@@ -39,7 +39,7 @@ TensorBuffer::TensorBuffer(TensorBuffer&& o) noexcept
       size_(std::exchange(o.size_, 0)),
       pool_(std::exchange(o.pool_, nullptr)),
       block_offset_(o.block_offset_),
-      size_class_(o.size_class_) {}
+      num_blocks_(o.num_blocks_) {}
 
 TensorBuffer& TensorBuffer::operator=(TensorBuffer&& o) noexcept {
   if (this != &o) {
@@ -48,7 +48,7 @@ TensorBuffer& TensorBuffer::operator=(TensorBuffer&& o) noexcept {
     size_ = std::exchange(o.size_, 0);
     pool_ = std::exchange(o.pool_, nullptr);
     block_offset_ = o.block_offset_;
-    size_class_ = o.size_class_;
+    num_blocks_ = o.num_blocks_;
   }
   return *this;
 }
@@ -58,7 +58,11 @@ TensorBuffer::~TensorBuffer() { release(); }
 void TensorBuffer::release() noexcept {
   if (data_ == nullptr) return;
   if (pool_ != nullptr) {
-    if (auto block = pool_->block_at(block_offset_, size_)) pool_->free(*block);
+    for (std::uint32_t i = 0; i < num_blocks_; ++i) {
+      const std::uint64_t offset = block_offset_ + std::uint64_t{i} * memory::kMaxBlockBytes;
+      const std::size_t piece = num_blocks_ == 1 ? size_ : memory::kMaxBlockBytes;
+      if (auto block = pool_->block_at(offset, piece)) pool_->free(*block);
+    }
   } else {
     std::free(data_);
   }
@@ -771,17 +775,43 @@ const config::Config& Worker::config() const noexcept { return impl_->config; }
 
 TensorBuffer Worker::allocate(std::size_t bytes) {
   TensorBuffer b;
+  memory::PagePool& pool = *impl_->pool;
   if (bytes <= memory::kMaxBlockBytes) {
-    if (auto block = impl_->pool->allocate(bytes)) {
+    if (auto block = pool.allocate(bytes)) {
       b.data_ = block->data();
       b.size_ = bytes;
-      b.pool_ = impl_->pool.get();
+      b.pool_ = &pool;
       b.block_offset_ = block->offset_bytes();
-      b.size_class_ = static_cast<std::uint8_t>(block->size_class());
+      b.num_blocks_ = 1;
       return b;
     }
+  } else {
+    // Consecutive largest-class blocks, if the pool carves them contiguously.
+    const std::size_t n = (bytes + memory::kMaxBlockBytes - 1) / memory::kMaxBlockBytes;
+    std::vector<memory::Block> blocks;
+    for (std::size_t i = 0; i < n; ++i) {
+      auto block = pool.allocate(memory::kMaxBlockBytes);
+      if (!block) break;
+      blocks.push_back(*block);
+    }
+    // Freed blocks come back in any order: contiguous as a set is enough.
+    std::sort(blocks.begin(), blocks.end(),
+              [](const memory::Block& a, const memory::Block& c) { return a.data() < c.data(); });
+    bool contiguous = true;
+    for (std::size_t i = 1; i < blocks.size(); ++i) {
+      contiguous = contiguous && blocks[i].data() == blocks[i - 1].data() + memory::kMaxBlockBytes;
+    }
+    if (contiguous && blocks.size() == n) {
+      b.data_ = blocks.front().data();
+      b.size_ = bytes;
+      b.pool_ = &pool;
+      b.block_offset_ = blocks.front().offset_bytes();
+      b.num_blocks_ = static_cast<std::uint32_t>(n);
+      return b;
+    }
+    for (auto& block : blocks) pool.free(block);
   }
-  // Above the largest block or pool exhausted: page-aligned heap memory.
+  // Pool exhausted, or no contiguous run: page-aligned heap memory.
   const std::size_t rounded = (std::max<std::size_t>(bytes, 1) + 4095) / 4096 * 4096;
   void* p = std::aligned_alloc(4096, rounded);
   if (p == nullptr) throw std::bad_alloc();

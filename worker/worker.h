@@ -75,9 +75,12 @@ class PagePool;
 
 using Key = std::uint64_t;
 
-// A float32 buffer in the worker's page pool (or, above the 64 MiB block
-// limit or when the pool is exhausted, in heap memory). Move-only; freed on
-// destruction. The Worker must outlive it.
+// A float32 buffer in the worker's page pool. Above the largest block class
+// (64 MiB) it spans consecutive 64 MiB blocks when the pool can carve them
+// contiguously (a fresh region can); otherwise, or when the pool is
+// exhausted, it is heap memory (in_pool() false: shm then copies it once
+// into pool blocks when sending). Move-only; freed on destruction. The
+// Worker must outlive it.
 class TensorBuffer {
  public:
   TensorBuffer() = default;
@@ -102,7 +105,7 @@ class TensorBuffer {
   std::size_t size_ = 0;
   memory::PagePool* pool_ = nullptr;  // null: heap
   std::uint64_t block_offset_ = 0;
-  std::uint8_t size_class_ = 0;
+  std::uint32_t num_blocks_ = 0;  // pool blocks spanned (> 1 only above 64 MiB)
   void release() noexcept;
 };
 

@@ -230,8 +230,30 @@ TEST(WorkerClient, AllocateHandsOutPoolBlocksAndFallsBackAboveTheLargestClass) {
   EXPECT_TRUE(a.empty());
   EXPECT_TRUE(moved.in_pool());
   TensorBuffer big = w->allocate(memory::kMaxBlockBytes + 4096);
-  EXPECT_FALSE(big.in_pool());
+  EXPECT_FALSE(big.in_pool());  // a 16 MiB pool cannot hold it: heap
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(big.bytes().data()) % 4096, 0u);
+}
+
+TEST(WorkerClient, LargeBuffersSpanConsecutivePoolBlocksAndTravel) {
+  config::Config c = base_config(1);
+  ASSERT_TRUE(config::set_value(c, "communication.prealloc_pages", "96"));  // 192 MiB
+  LocalServer s(c);
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  const std::size_t n = (memory::kMaxBlockBytes + (8u << 20)) / 4;  // 72 MiB
+  {
+    TensorBuffer big = w->allocate(n * 4);
+    ASSERT_TRUE(big.in_pool());
+    for (std::size_t i = 0; i < n; ++i) big.floats()[i] = static_cast<float>(i % 251);
+    const std::uint64_t shape[] = {n};
+    ASSERT_TRUE(w->init(3, shape, big.floats()).wait());
+    std::vector<float> out(n);
+    ASSERT_TRUE(w->pull(3, out).wait());
+    EXPECT_TRUE(std::equal(out.begin(), out.end(), big.floats().begin()));
+  }
+  // Freed: the same run can be had again.
+  TensorBuffer again = w->allocate(n * 4);
+  EXPECT_TRUE(again.in_pool());
 }
 
 }  // namespace
