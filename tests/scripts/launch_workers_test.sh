@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Tests scripts/launch_workers.sh: pinning, {rank} substitution, first failure's
-# exit code, and refusal of a core that does not exist.
+# exit code, refusal of a core that does not exist, and stopping: SIGTERM to
+# the launcher (what Ctrl-C does to a foreground job, as SIGINT) stops every
+# worker and exits 130.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 lw="$root/scripts/launch_workers.sh"
@@ -26,4 +28,24 @@ rc=$?
 set -e
 [[ $rc == 2 ]] || fail "nonexistent core accepted (rc=$rc)"
 [[ $out == *"core '9999' for worker 0 does not exist"* ]] || fail "message: $out"
+# Stop: two long-running workers pinned to core 0 announce themselves on a
+# FIFO; the launcher is then terminated and must take both down with it.
+mkfifo "$tmp/started"
+"$lw" --workers 2 --cores "0:0" --log-dir "$tmp/d" -- \
+  sh -c 'echo "$$" >"$0"; exec sleep 300' "$tmp/started" &
+launcher=$!
+exec 3<>"$tmp/started"  # read-write: no EOF between the two writers
+read -r -t 20 pid_a <&3 || fail "first worker did not start"
+read -r -t 20 pid_b <&3 || fail "second worker did not start"
+exec 3<&-
+kill -0 "$pid_a" && kill -0 "$pid_b" || fail "workers not running"
+kill -TERM "$launcher"
+set +e
+wait "$launcher"
+rc=$?
+set -e
+[[ $rc == 130 ]] || fail "terminated launcher exited $rc, want 130"
+# The launcher waited for its children before exiting: both are gone now.
+! kill -0 "$pid_a" 2>/dev/null || fail "worker $pid_a survived the launcher"
+! kill -0 "$pid_b" 2>/dev/null || fail "worker $pid_b survived the launcher"
 echo "launch_workers_test: ok"

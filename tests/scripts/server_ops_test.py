@@ -17,6 +17,12 @@
       no traffic (refused with the reason), and status of a server that is
       down (exit 1, DOWN).
 
+  server_ops_test.py emberctl EMBER_SERVER EMBERCTL FMNIST_WORKER LAUNCHER
+      the same, then a real training run: scripts/launch_workers.sh starts
+      one fmnist-worker pinned to core 0 for 3 steps against a second server;
+      afterwards `emberctl status` shows the worker's step and `emberctl tune
+      --metrics` reads the average message size the server saw.
+
 Nothing sleeps to wait: every wait is a poll/select on a socket or pipe
 against a deadline.
 """
@@ -164,7 +170,7 @@ def expect(cond, what, out=""):
         fail(f"{what}\n--- output ---\n{out}")
 
 
-def test_emberctl(server_bin, ctl):
+def test_emberctl(server_bin, ctl, worker=None, launcher=None):
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         os.mkdir(ckpt)
@@ -224,14 +230,54 @@ def test_emberctl(server_bin, ctl):
         expect(code == 0, f"server exit {code}")
         rc, out, err = run([ctl, "status", "--metrics", m, "--timeout", "2s"])
         expect(rc == 1 and "DOWN" in out, "status of a stopped server", out + err)
+        if worker:
+            train_then_inspect(server_bin, ctl, worker, launcher, tmp)
     print("server_ops_test emberctl: ok")
+
+
+def train_then_inspect(server_bin, ctl, worker, launcher, tmp):
+    # The server's [cluster] holds a placeholder address (it binds port 0);
+    # the worker's names the real one. Join checks the shape, not addresses.
+    scfg = os.path.join(tmp, "train-server.toml")
+    with open(scfg, "w") as f:
+        f.write('[communication]\npool_backing = "plain"\nprealloc_pages = 16\n'
+                '[cluster]\nservers = ["127.0.0.1:1"]\nnum_workers = 1\n'
+                '[server]\nmetrics_listen = "127.0.0.1:0"\n')
+    srv = Server(server_bin, ["--config", scfg, "--listen", "127.0.0.1:0"],
+                 stderr_path=os.path.join(tmp, "train-server.log"))
+    try:
+        srv.wait_ready()
+        wcfg = os.path.join(tmp, "train-worker.toml")
+        with open(wcfg, "w") as f:
+            f.write('[communication]\npool_backing = "plain"\nprealloc_pages = 16\n'
+                    f'[cluster]\nservers = ["{srv.listen}"]\nnum_workers = 1\n'
+                    '[worker]\nconnect_retries = 3\n')
+        logs = os.path.join(tmp, "worker-logs")
+        rc, out, err = run([launcher, "--workers", "1", "--cores", "0", "--log-dir", logs, "--",
+                            worker, "--config", wcfg, "--rank", "{rank}", "--epochs", "1",
+                            "--max-steps-per-epoch", "3", "--max-eval-samples", "100"], timeout=120)
+        log = open(os.path.join(logs, "worker-0.log")).read() if os.path.exists(
+            os.path.join(logs, "worker-0.log")) else ""
+        expect(rc == 0 and "RESULT rank=0" in log, f"training run exit {rc}", err + log)
+        rc, out, err = run([ctl, "status", "--metrics", srv.metrics])
+        expect(rc == 0 and "step per worker     rank 0: " in out, "status after training", out + err)
+        step = int(out.split("rank 0: ")[1].split()[0])
+        expect(step >= 2, f"step of rank 0 is {step} after 3 steps", out)
+        rc, out, err = run([ctl, "tune", "--rtt", "50us", "--bandwidth", "10Gbit", "--workers", "1",
+                            "--metrics", srv.metrics])
+        expect(rc == 0 and "average message: " in out and "recommended:" in out,
+               "tune --metrics after training", out + err)
+        print(f"training run: rank 0 at step {step}; " + out.split("average message: ")[1].split("\n")[0])
+    finally:
+        code = srv.stop()
+    expect(code == 0, f"training server exit {code}")
 
 
 def main(argv):
     if len(argv) >= 2 and argv[0] == "notify":
         test_notify(argv[1])
-    elif len(argv) >= 3 and argv[0] == "emberctl":
-        test_emberctl(argv[1], argv[2])
+    elif len(argv) in (3, 5) and argv[0] == "emberctl":
+        test_emberctl(*argv[1:])
     else:
         print(__doc__, file=sys.stderr)
         return 2
