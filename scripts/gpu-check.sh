@@ -162,15 +162,16 @@ run_step() {  # $1 = summary key, $2 = timeout s, then the command
   log "$key: rc=$rc after $((SECONDS - t0)) s"
 }
 
-run_step gpu_tests 120 "$kernels_test" --gtest_brief=1
-run_step gpu_ref_tests 120 "$ref_test" --gtest_brief=1
+# Time limits add up to 8 minutes; a normal run takes a few.
+run_step gpu_tests 90 "$kernels_test" --gtest_brief=1
+run_step gpu_ref_tests 60 "$ref_test" --gtest_brief=1
 
 sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
 if ((require_gpu)) && [[ -x $sanitizer ]]; then
   # The 10,000-tensor case is covered above; under the sanitizer it only costs time.
-  run_step memcheck 150 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
+  run_step memcheck 120 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
     "$kernels_test" --gtest_brief=1 --gtest_filter=-*TenThousand*
-  run_step racecheck 120 "$sanitizer" --tool racecheck --error-exitcode 3 --print-limit 20 \
+  run_step racecheck 90 "$sanitizer" --tool racecheck --error-exitcode 3 --print-limit 20 \
     "$kernels_test" --gtest_brief=1 \
     --gtest_filter=*MatchesTheCpuReferenceInDeviceMemory*:*FullRing*:*RejectsARecord*
 else
@@ -181,7 +182,7 @@ fi
 bench_out="${out_dir:-build}/bench.txt"
 mkdir -p "$(dirname "$bench_out")"
 log "ember-bench-gpu"
-timeout --kill-after=10 180 "$bench" | tee "$bench_out"
+timeout --kill-after=10 120 "$bench" | tee "$bench_out"
 bench_rc=${PIPESTATUS[0]}
 bench_summary="$(grep '^SUMMARY ' "$bench_out" | tail -1 | sed 's/^SUMMARY //')"
 if ((bench_rc != 0)) || [[ -z $bench_summary ]]; then
