@@ -30,9 +30,9 @@
 // Call on_enqueue before the message becomes visible to the consumer, so
 // that head <= tail holds in samples.
 //
-// Cost when on: on_enqueue is four relaxed fetch_adds on cache lines owned by
-// the channel's producer side and the rank; on_dequeue two on the consumer
-// side. Never blocks, allocates or makes a system call. All file I/O happens
+// Cost when on: on_enqueue is five relaxed fetch_adds (the channel's tail
+// line, its size-histogram bucket, the rank's line); on_dequeue two on the
+// channel's head line, which no producer writes. Never blocks, allocates or makes a system call. All file I/O happens
 // on the sampler thread; a sample is written only for a channel or rank
 // whose numbers changed, so an idle job writes nothing.
 //
