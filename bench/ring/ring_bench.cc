@@ -537,11 +537,15 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "ember-bench-ring: ~%.0f ms per run, %d reps, %zu slots per ember lane\n",
                run_ms, reps, slots);
   // Calibration (not recorded): size each run to about run_ms.
-  constexpr std::uint64_t kMinMessages = std::uint64_t{1} << 17;
-  constexpr std::uint64_t kMaxMessages = std::uint64_t{1} << 25;
+  // Bounds keep a noisy calibration from producing runs of a few ms or of
+  // seconds (unbounded queues look faster on short runs: their producers
+  // finish early and the consumer drains alone).
+  constexpr std::uint64_t kCalibrationMessages = std::uint64_t{1} << 19;
+  constexpr std::uint64_t kMinMessages = std::uint64_t{1} << 18;
+  constexpr std::uint64_t kMaxMessages = std::uint64_t{1} << 23;
   for (std::size_t producers : producer_counts) {
     for (const Contender& c : contenders) {
-      const RunResult r = c.run(producers, kMinMessages, slots);
+      const RunResult r = c.run(producers, kCalibrationMessages, slots);
       const double wanted = r.msgs_per_ms * run_ms;
       std::uint64_t messages = static_cast<std::uint64_t>(
           std::clamp(wanted, static_cast<double>(kMinMessages), static_cast<double>(kMaxMessages)));
