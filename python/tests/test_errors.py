@@ -1,0 +1,162 @@
+"""Errors through the Python package: bad config paths and files, an absent
+server, wrong keys and sizes, bad arguments — each an exception with Ember's
+code and message, never a crash."""
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import ember
+
+
+def test_version_and_codes():
+    assert ember.version() == ember.__version__
+    assert ember.version().count(".") == 2
+    assert ember.error_name(ember.E_NOT_FOUND) == "not_found"
+    assert ember.error_name(ember.PENDING) == "pending"
+    assert ember.error_name(999) == "unknown"
+
+
+def test_missing_config_file_is_config_error_naming_the_path():
+    with pytest.raises(ember.EmberError) as info:
+        ember.Worker("/nonexistent/dir/ember.toml", rank=0)
+    e = info.value
+    assert e.code == ember.E_CONFIG
+    assert e.name == "config"
+    assert "/nonexistent/dir/ember.toml" in e.message
+    assert str(e) == e.message
+
+
+def test_invalid_config_file_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[communication]\nbatch_treshold = "4KB"\n')
+    with pytest.raises(ember.EmberError) as info:
+        ember.Worker(str(path))
+    assert info.value.code == ember.E_CONFIG
+    assert "bad.toml:2" in info.value.message
+    assert "batch_treshold" in info.value.message
+
+
+def test_bad_override_and_rank(tmp_path):
+    path = tmp_path / "ok.toml"
+    path.write_text("[cluster]\nnum_workers = 2\n")
+    with pytest.raises(ember.EmberError) as info:
+        ember.Worker(str(path), rank=0, overrides=["worker.no_such_key=1"])
+    assert info.value.code == ember.E_CONFIG
+    assert "no_such_key" in info.value.message
+    with pytest.raises(ember.EmberError) as info:
+        ember.Worker(str(path), rank=2)
+    assert info.value.code == ember.E_CONFIG
+    with pytest.raises(ValueError):
+        ember.Worker(str(path), rank=-1)
+
+
+def test_absent_server_is_an_error_naming_it(tmp_path):
+    # Bound but not listening: connections are refused while it is open.
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    try:
+        path = tmp_path / "absent.toml"
+        path.write_text('[cluster]\nservers = ["127.0.0.1:%d"]\n'
+                        '[worker]\nconnect_timeout = "1s"\nconnect_retries = 1\n' % port)
+        with pytest.raises(ember.EmberError) as info:
+            ember.Worker(str(path), rank=0)
+        assert info.value.code in (ember.E_IO, ember.E_TIMEOUT)
+        assert "cannot connect to server 0 at 127.0.0.1:%d" % port in info.value.message
+        assert "connect_retries" in info.value.message
+    finally:
+        s.close()
+
+
+def test_errors_are_per_thread(tmp_path):
+    seen = {}
+
+    def other():
+        try:
+            ember.Worker("/nope/other.toml")
+        except ember.EmberError as e:
+            seen["other"] = e.message
+
+    t = threading.Thread(target=other)
+    with pytest.raises(ember.EmberError) as info:
+        ember.Worker("/nope/main.toml")
+    t.start()
+    t.join()
+    assert "/nope/main.toml" in info.value.message
+    assert "/nope/other.toml" in seen["other"]
+
+
+def test_set_log_level():
+    ember.set_log_level("warn")
+    with pytest.raises(ember.EmberError) as info:
+        ember.set_log_level("loud")
+    assert info.value.code == ember.E_INVALID_ARGUMENT
+    assert "unknown level 'loud'" in info.value.message
+
+
+def test_wrong_key_and_sizes_with_a_real_server(server):
+    with ember.Worker(server.config_path, rank=0) as w:
+        w.init(1, values=np.ones(4, np.float32))
+        with pytest.raises(ember.EmberError) as info:
+            w.push(2, np.ones(4, np.float32))
+        assert info.value.code == ember.E_NOT_FOUND
+        assert "key 2" in info.value.message
+        with pytest.raises(ember.EmberError) as info:
+            w.pull(2, out=np.zeros(4, np.float32))
+        assert info.value.code == ember.E_NOT_FOUND
+        with pytest.raises(ember.EmberError) as info:
+            w.pull(2)  # no out and no shape known
+        assert info.value.code == ember.E_NOT_FOUND
+        fut = w.push_async(2, np.ones(4, np.float32))
+        with pytest.raises(ember.EmberError) as info:
+            fut.result()
+        assert info.value.code == ember.E_NOT_FOUND
+        assert isinstance(fut.exception(), ember.EmberError)
+
+        with pytest.raises(ember.EmberError) as info:
+            w.push(1, np.ones(3, np.float32))
+        assert info.value.code == ember.E_INVALID_ARGUMENT
+        assert "4 elements but 3 were given" in info.value.message
+        with pytest.raises(ember.EmberError) as info:
+            w.init(1, values=np.ones((2, 2)))
+        assert info.value.code == ember.E_SHAPE_MISMATCH
+        with pytest.raises(ember.EmberError) as info:
+            w.init(3, shape=(4,), values=np.ones(3))
+        assert info.value.code == ember.E_INVALID_ARGUMENT
+        with pytest.raises(ember.EmberError) as info:
+            w.set_learning_rate(-1.0)
+        assert info.value.code == ember.E_INVALID_ARGUMENT
+
+        # Python-side argument checks.
+        with pytest.raises(ValueError):
+            w.push(-1, np.ones(4))
+        with pytest.raises(TypeError):
+            w.push("1", np.ones(4))
+        with pytest.raises(TypeError):
+            w.pull(1, out=np.zeros(4, np.float64))
+        with pytest.raises(ValueError):
+            w.pull(1, out=np.zeros(8, np.float32)[::2])
+        with pytest.raises(ember.EmberError) as info:
+            w.buffer_info(np.zeros(4, np.float32))
+        assert info.value.code == ember.E_NOT_FOUND
+
+        # Still usable after all that.
+        out = w.push_pull(1, np.ones(4))
+        np.testing.assert_allclose(out, np.full(4, 0.5))
+    assert w.closed
+    with pytest.raises(ember.EmberError) as info:
+        w.push(1, np.ones(4))
+    assert info.value.code == ember.E_CLOSED
+
+
+def test_server_gone_is_an_error(start_server):
+    s = start_server(request_timeout="3s", connect_retries=0)
+    with ember.Worker(s.config_path, rank=0) as w:
+        w.init(1, values=np.ones(8, np.float32))
+        s.kill()
+        with pytest.raises(ember.EmberError) as info:
+            w.push_pull(1, np.ones(8))
+        assert info.value.code in (ember.E_CLOSED, ember.E_IO, ember.E_TIMEOUT)

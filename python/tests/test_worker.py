@@ -1,0 +1,124 @@
+"""Round trips through a real ember-server: zero-copy pool arrays, init /
+push / pull / push_pull, async futures, barrier, learning rate, and two
+workers under BSP."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import ember
+
+
+def test_allocate_is_a_zero_copy_view_of_a_pool_buffer(server):
+    with ember.Worker(server.config_path, rank=0) as w:
+        a = w.allocate((3, 5))
+        assert a.shape == (3, 5) and a.dtype == np.float32
+        assert a.flags.c_contiguous and a.flags.writeable
+        assert not a.any()
+        nbytes, in_pool = w.buffer_info(a)
+        assert nbytes == 3 * 5 * 4
+        assert in_pool
+        assert w.is_pool_buffer(a)
+        assert a.ctypes.data % 4096 == 0
+        # The same memory, not a copy: a write through a ctypes pointer at
+        # the pool address shows in the array.
+        import ctypes
+        ctypes.cast(a.ctypes.data, ctypes.POINTER(ctypes.c_float))[7] = 42.0
+        assert a.reshape(-1)[7] == 42.0
+        b = w.allocate(10, dtype=np.float64)
+        assert b.shape == (10,) and b.dtype == np.float64
+        assert w.buffer_info(b) == (80, True)
+        assert not w.is_pool_buffer(np.zeros(4, np.float32))
+
+
+def test_pool_arrays_outlive_close_and_free_on_release(server):
+    w = ember.Worker(server.config_path, rank=0)
+    a = w.allocate(16)
+    view = a[4:8]
+    w.close()
+    assert w.closed
+    view[:] = 3.0  # the memory is still the worker's, kept alive by the view
+    assert a[5] == 3.0
+    native = w._native
+    assert not native.destroyed
+    del a
+    assert not native.destroyed  # `view` still refers to the buffer
+    del view
+    assert native.destroyed  # last view gone: buffer freed, worker destroyed
+
+
+def test_round_trip_push_pull_barrier_learning_rate(server):
+    with ember.Worker(server.config_path, rank=0) as w:
+        assert (w.rank, w.num_workers, w.num_servers) == (0, 1, 1)
+        params = w.allocate((2, 3))
+        params[:] = np.arange(1, 7, dtype=np.float32).reshape(2, 3)
+        assert w.init(7, values=params) == 0
+        assert w.step(7) == 0
+        grad = w.allocate((2, 3))
+        grad[:] = 1.0
+        assert w.push(7, grad) == 0
+        assert w.step(7) == 1
+        out = w.pull(7, out=params)
+        assert out is params
+        np.testing.assert_allclose(params, np.arange(1, 7).reshape(2, 3) - 0.5)
+        fresh = w.pull(7)  # a new array of the key's shape
+        assert fresh.shape == (2, 3)
+        np.testing.assert_array_equal(fresh, params)
+        w.push_pull(7, grad, out=params)
+        np.testing.assert_allclose(params, np.arange(1, 7).reshape(2, 3) - 1.0)
+        assert w.barrier() == 0
+        assert w.barrier() == 1
+        w.set_learning_rate(0.25)
+        w.push_pull(7, [[1, 1, 1], [1, 1, 1]], out=params)  # lists are converted
+        np.testing.assert_allclose(params, np.arange(1, 7).reshape(2, 3) - 1.25)
+
+
+def test_async_futures(server):
+    with ember.Worker(server.config_path, rank=0) as w:
+        w.init(1, values=np.zeros(1000, np.float32))
+        w.init(2, values=np.ones(10, np.float32))
+        g1 = np.full(1000, 2.0, np.float32)
+        out1 = np.empty(1000, np.float32)
+        f1 = w.push_pull_async(1, g1, out=out1)
+        f2 = w.push_async(2, np.ones(10, np.float32))
+        assert f2.result(timeout=20) == 0  # a push's value is its step
+        assert f2.done()
+        assert f1.result() is out1
+        assert f1.step == 1
+        np.testing.assert_allclose(out1, np.full(1000, -1.0))
+        f3 = w.pull_async(2)
+        np.testing.assert_allclose(f3.result(), np.full(10, 0.5))
+
+
+def test_two_workers_bsp_average_and_pending(start_server):
+    s = start_server(num_workers=2, learning_rate=0.5)
+    workers = [None, None]
+
+    def make(r):
+        workers[r] = ember.Worker(s.config_path, rank=r)
+
+    t = threading.Thread(target=make, args=(1,))
+    t.start()
+    make(0)
+    t.join()
+    w0, w1 = workers
+    try:
+        init = np.array([1, 2, 3], np.float32)
+        t = threading.Thread(target=w1.init, args=(5, (3,)))
+        t.start()
+        w0.init(5, values=init)
+        t.join()
+        p0, p1 = np.empty(3, np.float32), np.empty(3, np.float32)
+        f0 = w0.push_pull_async(5, np.ones(3), out=p0)
+        # Step 1 needs rank 1's push of step 0: not yet.
+        with pytest.raises(TimeoutError):
+            f0.result(timeout=0.02)
+        assert not f0.done()
+        w1.push_pull(5, np.full(3, 3.0), out=p1)
+        f0.result()
+        np.testing.assert_allclose(p0, init - 0.5 * 2.0)  # mean of 1 and 3
+        np.testing.assert_array_equal(p0, p1)
+    finally:
+        w0.close()
+        w1.close()
