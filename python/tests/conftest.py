@@ -11,6 +11,7 @@ import glob
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,12 +32,32 @@ def server_binary():
     return max(found, key=os.path.getmtime)
 
 
+_shm_next = [20000 + (os.getpid() * 131) % 40000]
+
+
+def free_shm_address():
+    """A host:port whose shm listening socket (the abstract unix socket
+    "@ember-<host:port>") is not in use now: probed by binding it."""
+    for _ in range(1000):
+        port = _shm_next[0]
+        _shm_next[0] = 20000 + (port - 20000 + 7919) % 40000
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.bind("\0ember-127.0.0.1:%d" % port)
+        except OSError:
+            continue
+        finally:
+            probe.close()
+        return "127.0.0.1:%d" % port
+    pytest.fail("no free shm listen name found")
+
+
 def cluster_toml(servers, num_workers=1, consistency="bsp", optimizer="sgd", learning_rate=0.1,
-                 request_timeout="20s", connect_retries=5, extra_optimizer=""):
+                 request_timeout="20s", connect_retries=5, extra_optimizer="", transport="tcp"):
     quoted = ", ".join('"%s"' % s for s in servers)
     return (
         "[communication]\n"
-        'transport = "tcp"\n'
+        'transport = "%s"\n'
         "prealloc_pages = 16\n"
         'pool_backing = "plain"\n'
         'heartbeat_interval = "100ms"\n'
@@ -56,7 +77,7 @@ def cluster_toml(servers, num_workers=1, consistency="bsp", optimizer="sgd", lea
         'request_timeout = "%s"\n'
         'connect_timeout = "5s"\n'
         "connect_retries = %d\n"
-    ) % (quoted, num_workers, consistency, optimizer, learning_rate, extra_optimizer,
+    ) % (transport, quoted, num_workers, consistency, optimizer, learning_rate, extra_optimizer,
          request_timeout, connect_retries)
 
 
@@ -71,15 +92,19 @@ class ServerProcess:
             f.write(cluster_toml(["127.0.0.1:1"], **cluster))
         self.log_path = os.path.join(directory, "server.log")
         self._log = open(self.log_path, "wb")
+        shm = cluster.get("transport") == "shm"
+        listen = free_shm_address() if shm else "127.0.0.1:0"
         self.proc = subprocess.Popen(
-            [server_binary(), "--config", server_cfg, "--listen", "127.0.0.1:0",
+            [server_binary(), "--config", server_cfg, "--listen", listen,
              "--set", "server.server_index=0"],
             stdout=subprocess.PIPE, stderr=self._log)
         line = self._wait_line("ember-server ready", 30.0)
         if line is None:
             self.stop()
             pytest.fail("ember-server did not come up; its log:\n" + self.log())
-        self.address = line.split("listen=", 1)[1].split()[0]
+        # tcp: the port the server bound; shm: the host:port its abstract
+        # socket is named after (the ready line prints the socket name).
+        self.address = listen if shm else line.split("listen=", 1)[1].split()[0]
         self.config_path = os.path.join(directory, "worker.toml")
         with open(self.config_path, "w") as f:
             f.write(cluster_toml([self.address], **cluster))

@@ -7,8 +7,9 @@ import pytest
 import ember
 
 
-def test_pipeline_push_pull_many_keys(start_server):
-    s = start_server(learning_rate=1.0)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_pipeline_push_pull_many_keys(start_server, transport):
+    s = start_server(learning_rate=1.0, transport=transport)
     with ember.Worker(s.config_path, rank=0) as w:
         n = 50
         params = [w.allocate(4) for _ in range(n)]

@@ -48,7 +48,9 @@ def test_pool_arrays_outlive_close_and_free_on_release(server):
     assert native.destroyed  # last view gone: buffer freed, worker destroyed
 
 
-def test_round_trip_push_pull_barrier_learning_rate(server):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_round_trip_push_pull_barrier_learning_rate(start_server, transport):
+    server = start_server(learning_rate=0.5, transport=transport)
     with ember.Worker(server.config_path, rank=0) as w:
         assert (w.rank, w.num_workers, w.num_servers) == (0, 1, 1)
         params = w.allocate((2, 3))

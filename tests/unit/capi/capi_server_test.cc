@@ -45,9 +45,12 @@ struct WorkerGuard {
   ~WorkerGuard() { ember_worker_destroy(w); }
 };
 
-TEST(CapiServer, RoundTripThroughPoolBuffers) {
+class CapiServerOverTransport : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CapiServerOverTransport, RoundTripThroughPoolBuffers) {
   TempDir dir;
   ClusterSpec spec;
+  spec.transport = GetParam();
   spec.learning_rate = 0.5;
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
@@ -119,6 +122,9 @@ TEST(CapiServer, RoundTripThroughPoolBuffers) {
   EXPECT_EQ(ember_free(w, gmem), EMBER_OK);
   EXPECT_EQ(ember_free(w, nullptr), EMBER_OK);
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, CapiServerOverTransport, ::testing::Values("tcp", "shm"),
+                         [](const auto& param_info) { return std::string(param_info.param); });
 
 TEST(CapiServer, WrongKeysAndSizesAreCodesWithMessages) {
   TempDir dir;
