@@ -22,6 +22,8 @@ PACKAGES=(
   # operator files: systemd-analyze (unit check), shellcheck, perf (scripts/profile)
   systemd shellcheck linux-perf
   iproute2 procps util-linux
+  # the Soft-RoCE guest of the rdma suite (scripts/rdma-vm/): emulator, initramfs tools
+  qemu-system-x86 busybox-static kmod cpio
 )
 
 missing=()

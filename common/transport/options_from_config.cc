@@ -1,6 +1,7 @@
 #include "common/transport/options_from_config.h"
 
 #include "common/base/logging.h"
+#include "common/transport/rdma/device.h"
 
 namespace ember::transport {
 
@@ -15,15 +16,14 @@ Result<Options> options_from_config(const config::CommunicationConfig& comm,
       o.kind = Kind::kShm;
       break;
     case config::Transport::kRdma:
-      return make_error(ErrorCode::kUnavailable,
-                        "[communication] transport = \"rdma\": the rdma transport is not available "
-                        "in this build; use \"tcp\", \"shm\" or \"auto\"");
-    case config::Transport::kAuto:
-      o.kind = peer_on_same_host ? Kind::kShm : Kind::kTcp;
-      log::logger("transport")
-          ->info("transport = \"auto\": using {} ({}; no RDMA device support in this build)",
-                 kind_name(o.kind), peer_on_same_host ? "the peer is on this host" : "remote peer");
+      o.kind = Kind::kRdma;  // no device: Transport::create says so (kUnavailable)
       break;
+    case config::Transport::kAuto: {
+      const rdma::AutoChoice choice = rdma::choose_auto(peer_on_same_host, rdma::probe_rdma());
+      o.kind = choice.kind;
+      log::logger("transport")->info("{}", choice.reason);
+      break;
+    }
   }
   o.batch_threshold_bytes = comm.batch_threshold_bytes;
   o.flush_interval = comm.flush_interval;

@@ -7,11 +7,14 @@
 // max_queued_bytes, auth_token. The caller adds receive_allocator (usually
 // pool_receive_allocator) and may change connect_timeout.
 //
-// transport = "auto" picks shm when `peer_on_same_host`, else tcp (rdma is
-// chosen by issue 8's device probe once it exists); the choice is logged.
+// transport = "auto" picks rdma when an RDMA device has an active port, else
+// shm when `peer_on_same_host`, else tcp (rdma::choose_auto); the choice and
+// why are logged. transport = "rdma" gives Kind::kRdma; without a device,
+// Transport::create fails with kUnavailable.
 //
-// Thread-safety: pure. Errors: kConfig from Options::validate() for
-// combinations the config check does not cover, kUnavailable for "rdma".
+// Thread-safety: any thread; "auto" probes the RDMA devices (opens and
+// closes them: milliseconds). Errors: kConfig from Options::validate() for
+// combinations the config check does not cover.
 #pragma once
 
 #include "common/config/config.h"

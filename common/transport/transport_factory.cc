@@ -1,4 +1,5 @@
 // Transport::create: validates the options and builds the chosen transport.
+#include "common/transport/rdma/rdma_transport.h"
 #include "common/transport/shm/shm_transport.h"
 #include "common/transport/tcp/tcp_transport.h"
 #include "common/transport/transport.h"
@@ -13,9 +14,7 @@ Result<std::unique_ptr<Transport>> Transport::create(Options options) {
     case Kind::kShm:
       return shm::create_shm_transport(std::move(options));
     case Kind::kRdma:
-      return make_error(ErrorCode::kUnavailable,
-                        "transport = \"rdma\" is not available in this build (the rdma transport "
-                        "is not implemented yet); use \"tcp\", or \"shm\" for a same-host peer");
+      return rdma::create_rdma_transport(std::move(options));
   }
   return make_error(ErrorCode::kInvalidArgument, "unknown transport kind {}",
                     static_cast<int>(options.kind));

@@ -59,6 +59,10 @@ constexpr std::size_t kMaxSlotBytes = std::size_t{1} << 20;
 constexpr std::size_t kRingBudgetBytes = std::size_t{4} << 20;
 constexpr std::uint32_t kSpareRecvs = 4;
 constexpr auto kTeardownDrainLimit = std::chrono::seconds(2);
+// Larger blocks are not granted ahead of time: the memory held for a message
+// that may never come would be large, and one round trip is small beside
+// the transfer. (Parameter-server chunks are partition_bytes, a few MiB.)
+constexpr std::size_t kMaxRearmBytes = std::size_t{16} << 20;
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
@@ -285,8 +289,9 @@ void Channel::on_heartbeat_timer() {
     {
       std::lock_guard lock(mu_);
       if (!tx_closed_ && !goodbye_queued_ && queue_.empty() && credits_ > 0 && !sq_full_locked()) {
-        if (post_send_locked(protocol::MsgType::kHeartbeat, nullptr, 0,
-                             wr_id(kWrZero, ++next_wr_, 0), true, d)) {
+        const std::uint64_t id = wr_id(kWrZero, ++next_wr_, 0);
+        if (post_send_locked(protocol::MsgType::kHeartbeat, nullptr, 0, id, true, d)) {
+          in_flight_.emplace_back().wr_id = id;
           conn_->heartbeats_sent.fetch_add(1, std::memory_order_relaxed);
         }
       }
@@ -319,7 +324,7 @@ void Channel::open_batch_locked() {
       open_overflow_ = std::move(free_overflow_.back());
       free_overflow_.pop_back();
     } else {
-      open_overflow_.reset(new (std::align_val_t{64}) std::byte[geometry_.slot_bytes]);
+      open_overflow_ = std::make_unique<std::byte[]>(geometry_.slot_bytes);
     }
     out = std::span<std::byte>(open_overflow_.get(), geometry_.slot_bytes);
   }
@@ -366,7 +371,7 @@ Status Channel::send_small(std::span<const std::byte> bytes) {
     std::lock_guard lock(mu_);
     if (tx_closed_ || goodbye_queued_) {
       d.flow_release = bytes.size();
-      d.fail.reset();
+      d.closed = true;
     } else {
       // The one copy of the small-message path: into the registered send slot.
       add_item_locked(bytes);
@@ -378,12 +383,15 @@ Status Channel::send_small(std::span<const std::byte> bytes) {
         d.arm_flush_timer = started_;
       }
       if (!queue_.empty()) pump_locked(d);
-      run_deferred(d);  // releases nothing held by mu_ (see run_deferred)
-      return ok_status();
     }
   }
-  conn_->flow().release(d.flow_release);
-  return make_error(ErrorCode::kClosed, "connection is closed; message on channel {} dropped", index_);
+  const bool closed = d.closed;
+  run_deferred(d);
+  if (closed) {
+    return make_error(ErrorCode::kClosed, "connection is closed; message on channel {} dropped",
+                      index_);
+  }
+  return ok_status();
 }
 
 Status Channel::send_large(Buffer&& payload, SendCompletion&& done) {
@@ -407,7 +415,7 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done) {
     e.done = std::move(done);
     e.flow_bytes = size;
     e.messages = 1;
-    e.registered = region != nullptr && size <= core_.max_write_bytes;
+    e.registered = region != nullptr;
     e.lkey = region != nullptr ? region->mr->lkey : 0;
     pump_locked(d);
   }
@@ -456,9 +464,17 @@ void Channel::run_deferred(Deferred& d) {
   }
   for (Finished& f : d.finished) {
     f.payload.reset();
-    if (f.done) f.done(d.finished_status);
+    if (f.done) f.done(ok_status());
   }
   d.finished.clear();
+  for (Finished& f : d.failed) {
+    f.payload.reset();
+    if (f.done) {
+      f.done(tl::unexpected<Error>(
+          Error(ErrorCode::kClosed, "connection closed before the message was sent")));
+    }
+  }
+  d.failed.clear();
   if (d.fail) {
     Error e = std::move(*d.fail);
     d.fail.reset();
@@ -504,46 +520,60 @@ bool Channel::post_send_locked(protocol::MsgType type, const std::byte* data, st
 }
 
 bool Channel::post_write_locked(TxEntry& e, Deferred& d) {
-  ibv_sge sge{};
-  sge.addr = reinterpret_cast<std::uintptr_t>(e.payload.data());
-  sge.length = static_cast<std::uint32_t>(e.payload.size());
-  sge.lkey = e.lkey;
-  ibv_send_wr wr{};
-  ibv_send_wr* bad = nullptr;
-  wr.wr_id = wr_id(kWrWrite, ++next_wr_, 0);
-  wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-  wr.send_flags = IBV_SEND_SIGNALED;
-  wr.imm_data = htonl(e.grant.slot);
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.wr.rdma.remote_addr = e.grant.address;
-  wr.wr.rdma.rkey = e.grant.rkey;
-  const int rc = ::ibv_post_send(qp_, &wr, &bad);
-  conn_->write_syscalls.fetch_add(1, std::memory_order_relaxed);
-  if (rc != 0) {
-    if (!d.fail) {
-      d.fail = Error(ErrorCode::kIo,
-                     fmt::format("ibv_post_send of an RDMA write of {} on channel {} to {} failed",
-                                 format_bytes(e.payload.size()), index_, conn_->describe_peer()),
-                     rc);
+  // A message larger than the device's largest message (rxe: 8 MiB) goes as
+  // several plain RDMA WRITEs into the granted block, in order, the last one
+  // with the immediate; only that one consumes a receive (and a credit).
+  const std::uint64_t total = e.payload.size();
+  while (e.write_offset < total || total == 0) {
+    if (sq_full_locked() || writes_in_flight_ >= kMaxWritesInFlight) return false;
+    const std::uint64_t chunk = std::min<std::uint64_t>(core_.max_write_bytes, total - e.write_offset);
+    const bool last = e.write_offset + chunk == total;
+    if (last && credits_ == 0) return false;
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<std::uintptr_t>(e.payload.data() + e.write_offset);
+    sge.length = static_cast<std::uint32_t>(chunk);
+    sge.lkey = e.lkey;
+    ibv_send_wr wr{};
+    ibv_send_wr* bad = nullptr;
+    wr.wr_id = wr_id(kWrWrite, ++next_wr_, 0);
+    wr.opcode = last ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    if (last) wr.imm_data = htonl(e.grant.slot);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = e.grant.address + e.write_offset;
+    wr.wr.rdma.rkey = e.grant.rkey;
+    const int rc = ::ibv_post_send(qp_, &wr, &bad);
+    conn_->write_syscalls.fetch_add(1, std::memory_order_relaxed);
+    if (rc != 0) {
+      if (!d.fail) {
+        d.fail = Error(ErrorCode::kIo,
+                       fmt::format("ibv_post_send of an RDMA write of {} on channel {} to {} failed",
+                                   format_bytes(chunk), index_, conn_->describe_peer()),
+                       rc);
+      }
+      tx_closed_ = true;
+      return false;
     }
-    tx_closed_ = true;
-    return false;
+    ++sends_in_flight_;
+    ++writes_in_flight_;
+    e.write_offset += chunk;
+    last_tx_ns_.store(now_ns(), std::memory_order_relaxed);
+    InFlight& f = in_flight_.emplace_back();
+    f.wr_id = wr.wr_id;
+    f.write = true;
+    if (last) {
+      --credits_;
+      conn_->writes_posted.fetch_add(1, std::memory_order_relaxed);
+      f.frame = true;
+      f.flow_bytes = e.flow_bytes;
+      f.messages = 1;
+      f.payload = std::move(e.payload);
+      f.done = std::move(e.done);
+      return true;
+    }
   }
-  ++sends_in_flight_;
-  ++writes_in_flight_;
-  --credits_;
-  conn_->writes_posted.fetch_add(1, std::memory_order_relaxed);
-  last_tx_ns_.store(now_ns(), std::memory_order_relaxed);
-  InFlight& f = in_flight_.emplace_back();
-  f.wr_id = wr.wr_id;
-  f.write = true;
-  f.frame = true;
-  f.flow_bytes = e.flow_bytes;
-  f.messages = 1;
-  f.payload = std::move(e.payload);
-  f.done = std::move(e.done);
-  return true;
+  return false;
 }
 
 void Channel::enqueue_ctrl_locked(protocol::MsgType type, std::span<const std::byte> body) {
@@ -625,7 +655,11 @@ bool Channel::step_entry_locked(TxEntry& e, Deferred& d) {
   }
   if (e.state == LargeState::kNew) {
     if (e.registered && !peer_cannot_grant_) {
-      if (auto g = take_cached_grant_locked(e.payload.size())) {
+      // A slot granted ahead of time serves only a message that goes in one
+      // write (the receiver takes its size from that write's completion).
+      std::optional<protocol::GrantBody> g;
+      if (e.payload.size() <= core_.max_write_bytes) g = take_cached_grant_locked(e.payload.size());
+      if (g) {
         e.grant = *g;
         e.state = LargeState::kGranted;
         conn_->cached_slot_writes.fetch_add(1, std::memory_order_relaxed);
@@ -657,7 +691,6 @@ bool Channel::step_entry_locked(TxEntry& e, Deferred& d) {
     case LargeState::kAwaitGrant:
       return false;
     case LargeState::kGranted:
-      if (writes_in_flight_ >= kMaxWritesInFlight) return false;
       return post_write_locked(e, d);
     case LargeState::kFragment: {
       const std::size_t total = e.payload.size();
@@ -841,20 +874,7 @@ void Channel::complete_send(const ibv_wc& wc, bool ok, Deferred& d) {
     conn_->frames_sent.fetch_add(1, std::memory_order_relaxed);
   }
   if (f.payload || f.done) {
-    if (ok) {
-      d.finished.push_back(Finished{std::move(f.payload), std::move(f.done)});
-    } else {
-      // Released now, with the error, outside the lock.
-      Finished fin{std::move(f.payload), std::move(f.done)};
-      asio::post(core_.pollers[io_index_]->context(),
-                 [fin = std::make_shared<Finished>(std::move(fin))] {
-                   fin->payload.reset();
-                   if (fin->done) {
-                     fin->done(tl::unexpected<Error>(
-                         Error(ErrorCode::kClosed, "connection closed before the message was sent")));
-                   }
-                 });
-    }
+    (ok ? d.finished : d.failed).push_back(Finished{std::move(f.payload), std::move(f.done)});
   }
 }
 
@@ -954,10 +974,11 @@ Result<Buffer> Channel::allocate_receive(std::uint64_t size_bytes) {
   return b;
 }
 
-std::uint32_t Channel::grant_slot(Buffer&& block, bool unsolicited, std::uint32_t request) {
+std::uint32_t Channel::grant_slot(Buffer&& block, bool unsolicited, std::uint32_t request,
+                                  std::uint64_t exact_bytes) {
   const RegisteredRegion* region =
       core_.find_region(block.data(), block.size(), block.location().region_id);
-  if (region == nullptr || (region->mr->rkey == 0 && region->mr->lkey == 0)) return 0;
+  if (region == nullptr) return 0;
   std::uint32_t id = 0;
   do {
     id = ++next_slot_;
@@ -968,7 +989,7 @@ std::uint32_t Channel::grant_slot(Buffer&& block, bool unsolicited, std::uint32_
   g.rkey = region->mr->rkey;
   g.slot = id;
   g.request = request;
-  slots_.emplace(id, Slot{std::move(block), unsolicited});
+  slots_.emplace(id, Slot{std::move(block), unsolicited, exact_bytes});
   if (unsolicited) ++unsolicited_slots_;
   std::array<std::byte, protocol::kGrantBytes> body;
   protocol::encode(g, body);
@@ -983,13 +1004,18 @@ bool Channel::on_write(std::uint32_t slot_id, std::uint32_t bytes) {
     return protocol_error(fmt::format("an RDMA write into slot {}, which was not granted", slot_id));
   }
   Buffer block = std::move(it->second.block);
+  const std::uint64_t exact = it->second.exact_bytes;
   if (it->second.unsolicited) --unsolicited_slots_;
   slots_.erase(it);
-  if (bytes > block.size()) {
-    return protocol_error(fmt::format("an RDMA write of {} bytes into a slot of {}", bytes, block.size()));
+  // A slot granted to an RTS holds exactly the announced message (its last
+  // write's byte_len is only the last chunk); an unsolicited one, one write.
+  const std::uint64_t size = exact != 0 ? exact : bytes;
+  if (bytes > block.size() || size > block.size() || (exact != 0 && bytes > exact)) {
+    return protocol_error(fmt::format("an RDMA write of {} bytes (message {}) into a slot of {}",
+                                      bytes, size, block.size()));
   }
   const std::size_t capacity = block.size();
-  block.truncate(bytes);
+  block.truncate(static_cast<std::size_t>(size));
   Incoming msg;
   msg.channel = index_;
   msg.owned = std::move(block);
@@ -997,10 +1023,10 @@ bool Channel::on_write(std::uint32_t slot_id, std::uint32_t bytes) {
   conn_->deliver(std::move(msg));
   // Re-arm: the next message of this size from the peer goes without a
   // rendezvous round trip (one key's pushes, or its pull replies).
-  if (!conn_->failing() && unsolicited_slots_ < kMaxCachedSlots) {
+  if (!conn_->failing() && unsolicited_slots_ < kMaxCachedSlots && capacity <= kMaxRearmBytes) {
     Result<Buffer> next = allocate_receive(capacity);
     if (next) {
-      (void)grant_slot(std::move(*next), /*unsolicited=*/true, 0);
+      (void)grant_slot(std::move(*next), /*unsolicited=*/true, 0, 0);
     } else {
       rdma_log()->debug("channel {}: no block of {} to re-arm a slot ({})", index_,
                         format_bytes(capacity), next.error().to_string());
@@ -1024,7 +1050,7 @@ bool Channel::on_rts(std::span<const std::byte> body) {
     conn_->fail(std::move(block).error());
     return false;
   }
-  if (grant_slot(std::move(*block), /*unsolicited=*/false, rts->request) == 0) {
+  if (grant_slot(std::move(*block), /*unsolicited=*/false, rts->request, rts->size_bytes) == 0) {
     // The block is not RDMA-writable (no registered receive memory): ask for
     // fragments. grant_slot released nothing; the Buffer went out of scope.
     std::array<std::byte, protocol::kNoGrantBytes> nb;
@@ -1045,16 +1071,27 @@ bool Channel::on_grant(std::span<const std::byte> body) {
     if (head.kind == EntryKind::kLarge && head.state == LargeState::kAwaitGrant) {
       const std::uint64_t size = head.payload.size();
       const bool answers = g->request != 0 && g->request == head.request;
-      const bool fits = g->capacity_bytes >= size && g->capacity_bytes <= 2 * size;
-      if (answers ? g->capacity_bytes >= size : fits) {
+      // An unsolicited slot may serve the waiting message (then the RTS's own
+      // grant comes later and is given back below).
+      const bool fits = g->request == 0 && g->capacity_bytes >= size &&
+                        g->capacity_bytes <= 2 * size && size <= core_.max_write_bytes;
+      if ((answers && g->capacity_bytes >= size) || fits) {
         head.grant = *g;
         head.state = LargeState::kGranted;
-        if (!answers) conn_->cached_slot_writes.fetch_add(1, std::memory_order_relaxed);
+        if (fits) conn_->cached_slot_writes.fetch_add(1, std::memory_order_relaxed);
         return true;  // pump runs after the poll batch
       }
     }
   }
-  if (g->request != 0 && g->capacity_bytes == 0) return true;
+  if (g->request != 0) {
+    // The answer to an RTS whose message already went into an unsolicited
+    // slot: the receiver holds it for exactly that size, so it is not kept.
+    std::array<std::byte, protocol::kReleaseBytes> rel;
+    protocol::encode(protocol::ReleaseBody{g->slot}, rel);
+    enqueue_ctrl_locked(protocol::MsgType::kRelease, rel);
+    conn_->slots_released.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
   add_cached_grant_locked(*g);
   return true;
 }

@@ -188,6 +188,7 @@ class Channel final : public Pollable {
     std::uint32_t request = 0;
     protocol::GrantBody grant;
     std::uint64_t frag_offset = 0;
+    std::uint64_t write_offset = 0;   // bytes already posted as RDMA WRITEs
     // both
     std::uint64_t flow_bytes = 0;
   };
@@ -217,12 +218,18 @@ class Channel final : public Pollable {
   struct Slot {
     Buffer block;
     bool unsolicited = false;
+    // The announced size for a slot granted to an RTS: the message's size
+    // (a chunked write's completion reports only its last chunk). 0 for an
+    // unsolicited slot, which only single-write messages use: its size is
+    // the completion's byte_len.
+    std::uint64_t exact_bytes = 0;
   };
   // Things done under mu_ whose effects run after it is released.
   struct Deferred {
     std::optional<Error> fail;
-    std::vector<Finished> finished;
-    Status finished_status;
+    std::vector<Finished> finished;  // sent: completions run with ok
+    std::vector<Finished> failed;    // not sent: completions run with kClosed
+    bool closed = false;
     std::uint64_t flow_release = 0;
     bool arm_flush_timer = false;
   };
@@ -258,7 +265,8 @@ class Channel final : public Pollable {
   bool on_fragment(bool first, std::span<const std::byte> body);
   Result<Buffer> allocate_receive(std::uint64_t size_bytes);
   // A granted slot for `block` if it lies in a registered region (0 if not).
-  std::uint32_t grant_slot(Buffer&& block, bool unsolicited, std::uint32_t request);
+  std::uint32_t grant_slot(Buffer&& block, bool unsolicited, std::uint32_t request,
+                           std::uint64_t exact_bytes);
   void post_receives(const std::vector<std::uint32_t>& slots);
   void check_quiesced();
   bool protocol_error(std::string message);
@@ -395,6 +403,7 @@ class RdmaConnection final : public Connection {
   std::atomic<bool> failing_{false};
   std::atomic<bool> finished_{false};
   std::atomic<bool> started_{false};
+  std::atomic<bool> announce_closed_{true};
   std::atomic<std::size_t> channels_finished_{0};
   std::mutex reason_mu_;
   std::optional<Error> reason_;

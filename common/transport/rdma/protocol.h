@@ -1,7 +1,14 @@
 // The rdma transport's own bytes on the wire: the 32-bit immediate of each
 // SEND, the small control bodies, and the rdma_cm private data that carries
 // the handshake. Pure encoders and trust-nothing decoders, testable without
-// a device. The layouts are in docs/wire-format.md ("rdma transport").
+// a device. Byte layouts (all little-endian; reserved bytes are zero and
+// checked):
+//   RtsBody     16 B: 0 u64 size_bytes | 8 u32 request (>= 1) | 12 u32 reserved
+//   GrantBody   32 B: 0 u64 address | 8 u64 capacity_bytes (>= 1) | 16 u32 rkey |
+//                     20 u32 slot (>= 1) | 24 u32 request (0: unsolicited) | 28 u32 reserved
+//   NoGrantBody  8 B: 0 u32 request (>= 1) | 4 u32 reserved
+//   ReleaseBody  8 B: 0 u32 slot (>= 1) | 4 u32 reserved
+//   kFragFirst body: 0 u64 total message bytes | 8.. the first bytes
 //
 // Per channel, one RC queue pair carries, in the order they were posted:
 //  * SEND with immediate (the receiver gets IBV_WC_RECV): the immediate is

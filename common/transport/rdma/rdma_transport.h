@@ -38,7 +38,9 @@
 //    message. The transport does not see keys: a cached slot serves the next
 //    message of a close size (capacity in [size, 2 x size]); a message whose
 //    size changed asks again, and slots left unused are released (the
-//    receiver frees their blocks). At most kMaxCachedSlots per channel.
+//    receiver frees their blocks). At most kMaxCachedSlots per channel, and
+//    only for messages up to 16 MiB (a 64 MiB block held for a message that
+//    may never come costs more than one round trip beside its transfer).
 //  * Large messages from unregistered memory (a heap Buffer, or a receiver
 //    without an RDMA-writable allocator): fragments of slot size through
 //    the send ring (one more copy, named in channel.cc).
