@@ -124,3 +124,29 @@ def test_two_workers_bsp_average_and_pending(start_server):
     finally:
         w0.close()
         w1.close()
+
+
+def test_threads_share_one_worker(server):
+    # Calls release the GIL and the C ABI is thread-safe: four threads, each
+    # with its own key, push_pull concurrently through one worker.
+    with ember.Worker(server.config_path, rank=0) as w:
+        for k in range(4):
+            w.init(10 + k, values=np.full(64, float(k), np.float32))
+        errors = []
+
+        def run(k):
+            try:
+                out = w.allocate(64)
+                for _ in range(20):
+                    w.push_pull(10 + k, np.full(64, 0.1, np.float32), out=out)
+                np.testing.assert_allclose(out, np.full(64, k - 20 * 0.5 * 0.1), atol=1e-5)
+                assert w.step(10 + k) == 20
+            except Exception as e:  # reported below, on the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
