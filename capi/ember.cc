@@ -388,9 +388,13 @@ EMBER_API int ember_worker_create(const char* config_path, int64_t rank,
       std::lock_guard lock(g_logging_mutex);
       std::call_once(g_default_logging, [] {
         // A library must not print info lines on a host program's stdout
-        // (spdlog's default sink): stderr, warnings and worse, unless the
-        // caller chose a level first.
-        if (!g_logging_set) ember::log::init_program_logging("warn");
+        // (spdlog's built-in default logger, unnamed, on stdout): stderr,
+        // warnings and worse — unless the caller chose a level first, or the
+        // host program installed its own default logger (libspdlog is shared,
+        // so its registry is the whole process's).
+        if (!g_logging_set && spdlog::default_logger()->name().empty()) {
+          ember::log::init_program_logging("warn");
+        }
       });
     }
     auto created = ember::Worker::create_from_file(config_path, sets);

@@ -129,8 +129,11 @@ EMBER_API const char* ember_last_error(void);
 EMBER_API int ember_last_error_code(void);
 
 /* Sets the level of Ember's log messages ("trace", "debug", "info", "warn",
- * "error", "critical", "off"); they go to stderr. Until called, the first
- * ember_worker_create sets "warn". Affects the whole process.
+ * "error", "critical", "off"); they go to stderr. This replaces spdlog's
+ * default logger, so it affects the whole process. Until called, the first
+ * ember_worker_create sets "warn" on stderr — unless the host program has
+ * installed its own spdlog default logger (a named one), which is then used
+ * as it is.
  * Errors: EMBER_E_INVALID_ARGUMENT (NULL or an unknown level name). */
 EMBER_API int ember_set_log_level(const char* level);
 
