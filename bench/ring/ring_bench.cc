@@ -538,10 +538,12 @@ int main(int argc, char** argv) {
                run_ms, reps, slots);
   // Calibration (not recorded): size each run to about run_ms.
   // Bounds keep a noisy calibration from producing runs of a few ms or of
-  // seconds (unbounded queues look faster on short runs: their producers
-  // finish early and the consumer drains alone).
+  // seconds. The minimum matters for the unbounded queues: on a short run
+  // their producers can push everything within one scheduler time slice
+  // while the consumer waits for a core, and the run then measures only the
+  // consumer draining a full queue alone.
   constexpr std::uint64_t kCalibrationMessages = std::uint64_t{1} << 19;
-  constexpr std::uint64_t kMinMessages = std::uint64_t{1} << 18;
+  constexpr std::uint64_t kMinMessages = std::uint64_t{1} << 20;
   constexpr std::uint64_t kMaxMessages = std::uint64_t{1} << 23;
   for (std::size_t producers : producer_counts) {
     for (const Contender& c : contenders) {
