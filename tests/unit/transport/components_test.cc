@@ -3,6 +3,9 @@
 // mapping from the [communication] config table.
 #include <gtest/gtest.h>
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <thread>
 
 #include "common/config/config.h"
@@ -313,6 +316,42 @@ TEST(SendErrors, BadChannelTooLargeAndClosedAreValues) {
             ErrorCode::kInvalidArgument);
   EXPECT_EQ((*client)->connect("127.0.0.1:1", {Role::kWorker, 0}, cin.handlers()).error().code(),
             ErrorCode::kIo);
+}
+
+TEST(IoThreads, CallbacksRunOnThreadsPinnedToTheConfiguredCpu) {
+  Options o;
+  o.cpu_affinity = {0};
+  auto server = Transport::create(o);
+  auto client = Transport::create(Options{});
+  ASSERT_TRUE(server && client);
+  testing::Inbox sin, cin;
+  std::mutex mu;
+  int cpus_in_mask = -1;
+  bool cpu0 = false;
+  bool on_io = false;
+  Transport* server_raw = server->get();
+  sin.also = [&](Connection&, Incoming&) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    pthread_getaffinity_np(pthread_self(), sizeof set, &set);
+    std::lock_guard lock(mu);
+    cpus_in_mask = CPU_COUNT(&set);
+    cpu0 = CPU_ISSET(0, &set);
+    on_io = server_raw->on_io_thread();
+  };
+  auto l = (*server)->listen("127.0.0.1:0", {Role::kServer, 0}, sin.acceptor(), sin.handlers());
+  ASSERT_TRUE(l);
+  auto c = (*client)->connect((*l)->address(), {Role::kWorker, 0}, cin.handlers());
+  ASSERT_TRUE(c);
+  std::array<std::byte, 8> m{};
+  ASSERT_TRUE((*c)->send(0, m));
+  ASSERT_TRUE((*c)->flush(0));
+  ASSERT_TRUE(sin.wait_count(0, 1));
+  std::lock_guard lock(mu);
+  EXPECT_EQ(cpus_in_mask, 1);
+  EXPECT_TRUE(cpu0);
+  EXPECT_TRUE(on_io);
+  EXPECT_FALSE((*server)->on_io_thread());
 }
 
 }  // namespace
