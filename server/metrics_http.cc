@@ -22,8 +22,9 @@ namespace {
 // One HTTP exchange: read a request, write a response, close.
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, const metrics::Registry& registry, const std::function<void()>& refresh)
-      : stream_(std::move(socket)), registry_(registry), refresh_(refresh) {}
+  Session(tcp::socket socket, const metrics::Registry& registry, const std::function<void()>& refresh,
+          const std::function<Result<std::string>()>& checkpoint)
+      : stream_(std::move(socket)), registry_(registry), refresh_(refresh), checkpoint_(checkpoint) {}
 
   void start() {
     stream_.expires_after(std::chrono::seconds(10));
@@ -43,6 +44,17 @@ class Session : public std::enable_shared_from_this<Session> {
       response_.result(http::status::ok);
       response_.set(http::field::content_type, std::string(metrics::kExpositionContentType));
       response_.body() = registry_.render();
+    } else if (request_.method() == http::verb::post && target == "/checkpoint" && checkpoint_) {
+      auto r = checkpoint_();
+      response_.set(http::field::content_type, "text/plain");
+      if (r) {
+        response_.result(http::status::ok);
+        response_.body() = *r + "\n";
+      } else {
+        response_.result(r.error().code() == ErrorCode::kConfig ? http::status::conflict
+                                                                : http::status::internal_server_error);
+        response_.body() = r.error().to_string() + "\n";
+      }
     } else {
       response_.result(http::status::not_found);
       response_.set(http::field::content_type, "text/plain");
@@ -61,6 +73,7 @@ class Session : public std::enable_shared_from_this<Session> {
   http::response<http::string_body> response_;
   const metrics::Registry& registry_;
   const std::function<void()>& refresh_;
+  const std::function<Result<std::string>()>& checkpoint_;
 };
 
 }  // namespace
@@ -70,12 +83,13 @@ struct MetricsHttp::Impl {
   tcp::acceptor acceptor{io};
   const metrics::Registry* registry = nullptr;
   std::function<void()> refresh;
+  std::function<Result<std::string>()> checkpoint;
   std::thread thread;
 
   void accept() {
     acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
       if (ec) return;  // acceptor closed
-      std::make_shared<Session>(std::move(socket), *registry, refresh)->start();
+      std::make_shared<Session>(std::move(socket), *registry, refresh, checkpoint)->start();
       accept();
     });
   }
@@ -84,12 +98,13 @@ struct MetricsHttp::Impl {
 MetricsHttp::MetricsHttp(std::unique_ptr<Impl> impl, std::string address)
     : impl_(std::move(impl)), address_(std::move(address)) {}
 
-Result<std::unique_ptr<MetricsHttp>> MetricsHttp::start(const std::string& host, std::uint16_t port,
-                                                        const metrics::Registry& registry,
-                                                        std::function<void()> refresh) {
+Result<std::unique_ptr<MetricsHttp>> MetricsHttp::start(
+    const std::string& host, std::uint16_t port, const metrics::Registry& registry,
+    std::function<void()> refresh, std::function<Result<std::string>()> checkpoint) {
   auto impl = std::make_unique<Impl>();
   impl->registry = &registry;
   impl->refresh = std::move(refresh);
+  impl->checkpoint = std::move(checkpoint);
   beast::error_code ec;
   const auto address = asio::ip::make_address(host == "localhost" ? "127.0.0.1" : host, ec);
   if (ec) {

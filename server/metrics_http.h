@@ -1,5 +1,8 @@
 // A minimal HTTP/1.1 endpoint (Boost.Beast) that serves a metrics Registry
-// in Prometheus text format at GET /metrics (and /), 404 elsewhere.
+// in Prometheus text format at GET /metrics (and /), and takes POST
+// /checkpoint (emberctl checkpoint): 200 with the hook's text, or 409 with
+// its error when checkpoints are off, 500 when writing failed; 404
+// elsewhere.
 //
 // One thread runs its own io_context; each connection gets one response and
 // is closed (Prometheus scrapes are rare: no keep-alive needed). Before each
@@ -23,9 +26,11 @@ class MetricsHttp {
  public:
   // Binds "host:port" (port 0: any free port) and starts serving. Errors:
   // kInvalidArgument (address), kIo (bind/listen).
-  static Result<std::unique_ptr<MetricsHttp>> start(const std::string& host, std::uint16_t port,
-                                                    const metrics::Registry& registry,
-                                                    std::function<void()> refresh);
+  // `checkpoint` (optional) runs on the endpoint's thread for POST
+  // /checkpoint and may block until the checkpoint is durable.
+  static Result<std::unique_ptr<MetricsHttp>> start(
+      const std::string& host, std::uint16_t port, const metrics::Registry& registry,
+      std::function<void()> refresh, std::function<Result<std::string>()> checkpoint = {});
   ~MetricsHttp();  // stop()
   // The bound "host:port".
   const std::string& address() const noexcept { return address_; }

@@ -174,6 +174,8 @@ struct Server::Impl final : ReplySink {
 
   void checkpoint_loop();
   Result<std::uint64_t> write_checkpoint_now(bool shards_running);
+  // Asks the checkpoint thread for a checkpoint and waits for it.
+  Result<std::uint64_t> checkpoint_request();
 
   // ---- metrics ----
 
@@ -352,9 +354,14 @@ Status Server::Impl::init(const config::Config& cfg) {
   address = listener->address();
 
   if (sc.metrics_listen) {
-    EMBER_ASSIGN_OR_RETURN(metrics_http,
-                           MetricsHttp::start(sc.metrics_listen->host, sc.metrics_listen->port,
-                                              registry, [this] { refresh_metrics(); }));
+    EMBER_ASSIGN_OR_RETURN(
+        metrics_http,
+        MetricsHttp::start(sc.metrics_listen->host, sc.metrics_listen->port, registry,
+                           [this] { refresh_metrics(); },
+                           [this]() -> Result<std::string> {
+                             EMBER_ASSIGN_OR_RETURN(const std::uint64_t seq, checkpoint_request());
+                             return fmt::format("sequence {}", seq);
+                           }));
   }
   if (!sc.checkpoint_dir.empty()) ckpt_thread = std::thread([this] { checkpoint_loop(); });
   started = true;
@@ -862,17 +869,19 @@ std::string Server::metrics_address() const {
 
 Status Server::shutdown() { return impl_->shutdown(); }
 
-Result<std::uint64_t> Server::checkpoint_now() {
-  Impl& i = *impl_;
-  if (i.config.server.checkpoint_dir.empty()) {
+Result<std::uint64_t> Server::checkpoint_now() { return impl_->checkpoint_request(); }
+
+Result<std::uint64_t> Server::Impl::checkpoint_request() {
+  if (config.server.checkpoint_dir.empty()) {
     return make_error(ErrorCode::kConfig, "checkpoints are off: set server.checkpoint_dir");
   }
-  std::unique_lock lock(i.ckpt_mutex);
-  const std::uint64_t target = ++i.ckpt_local_requests;
-  i.ckpt_cv.notify_all();
-  i.ckpt_cv.wait(lock, [&] { return i.ckpt_local_done >= target || i.ckpt_stop; });
-  if (i.ckpt_local_done < target) return make_error(ErrorCode::kCancelled, "server shutting down");
-  return i.ckpt_local_result;
+  std::unique_lock lock(ckpt_mutex);
+  if (ckpt_stop) return make_error(ErrorCode::kCancelled, "server shutting down");
+  const std::uint64_t target = ++ckpt_local_requests;
+  ckpt_cv.notify_all();
+  ckpt_cv.wait(lock, [&] { return ckpt_local_done >= target || ckpt_stop; });
+  if (ckpt_local_done < target) return make_error(ErrorCode::kCancelled, "server shutting down");
+  return ckpt_local_result;
 }
 
 }  // namespace ember::server

@@ -204,7 +204,8 @@ config::Config worker_config(const ClusterSpec& spec, const std::vector<std::str
 std::string server_binary() { return EMBER_SERVER_BIN; }
 std::string test_worker_binary() { return EMBER_TEST_WORKER_BIN; }
 
-std::string http_get(const std::string& address, const std::string& path) {
+std::string http_request(const std::string& address, const std::string& method,
+                         const std::string& path) {
   const auto colon = address.rfind(':');
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in sa{};
@@ -215,14 +216,15 @@ std::string http_get(const std::string& address, const std::string& path) {
     ::close(fd);
     return {};
   }
-  const std::string req = fmt::format("GET {} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-                                      path, address);
+  const std::string req =
+      fmt::format("{} {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                  method, path, address);
   (void)::write(fd, req.data(), req.size());
   std::string out;
   char buf[4096];
   for (;;) {
     pollfd pfd{fd, POLLIN, 0};
-    if (::poll(&pfd, 1, 5000) <= 0) break;
+    if (::poll(&pfd, 1, 20000) <= 0) break;
     const ssize_t n = ::read(fd, buf, sizeof buf);
     if (n <= 0) break;
     out.append(buf, static_cast<std::size_t>(n));

@@ -122,7 +122,11 @@ config::Config worker_config(const ClusterSpec& spec, const std::vector<std::str
 std::string server_binary();
 std::string test_worker_binary();
 
-// GET http://address/path; the whole response ("" on failure).
-std::string http_get(const std::string& address, const std::string& path);
+// GET (or `method`) http://address/path; the whole response ("" on failure).
+std::string http_request(const std::string& address, const std::string& method,
+                         const std::string& path);
+inline std::string http_get(const std::string& address, const std::string& path) {
+  return http_request(address, "GET", path);
+}
 
 }  // namespace ember::test
