@@ -303,7 +303,9 @@ class Transport {
   static Result<std::unique_ptr<Transport>> create(Options options);
 
   // Stops the I/O threads after closing every Connection (on_closed runs with
-  // kCancelled for those still open). Must not be called from an I/O thread.
+  // kCancelled for those still open, during this destructor), so whatever the
+  // Handlers refer to must outlive the Transport. Blocks until every I/O
+  // object is gone. Must not be called from an I/O thread.
   virtual ~Transport() = default;
 
   virtual Kind kind() const noexcept = 0;

@@ -33,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <cstdlib>
 
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
@@ -216,7 +217,10 @@ class Channel {
   std::uint64_t open_flow_bytes_ = 0;
   std::uint64_t open_messages_ = 0;
   std::deque<TxEntry> queue_;
-  std::vector<std::unique_ptr<std::byte[]>> batch_storage_;
+  struct FreeDeleter {
+    void operator()(std::byte* p) const noexcept { std::free(p); }
+  };
+  std::vector<std::unique_ptr<std::byte, FreeDeleter>> batch_storage_;
   std::vector<std::byte*> free_batches_;
   bool writer_active_ = false;
   bool in_syscall_ = false;
@@ -597,8 +601,10 @@ std::byte* Channel::take_batch_buffer_locked() {
   if (free_batches_.empty()) {
     // Grows to the number of batches in flight (bounded by max_queued_bytes /
     // batch_threshold) and is reused from then on.
-    batch_storage_.push_back(std::unique_ptr<std::byte[]>(
-        new (std::align_val_t{64}) std::byte[options_.batch_threshold_bytes]));
+    const std::size_t bytes = (options_.batch_threshold_bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, bytes);
+    EMBER_CHECK_MSG(p != nullptr, "out of memory for a {}-byte batch buffer", bytes);
+    batch_storage_.emplace_back(static_cast<std::byte*>(p));
     return batch_storage_.back().get();
   }
   std::byte* b = free_batches_.back();

@@ -143,6 +143,7 @@ std::string listen_address(const Mode& m, const char* tag) {
 class ProcessTest : public ::testing::TestWithParam<Mode> {};
 
 TEST_P(ProcessTest, EverySizeEchoedByAnotherProcessArrivesIntactInOrder) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   const Mode m = GetParam();
   auto t = Transport::create(server_options(m));
   ASSERT_TRUE(t);
@@ -150,7 +151,6 @@ TEST_P(ProcessTest, EverySizeEchoedByAnotherProcessArrivesIntactInOrder) {
   auto rid = (*t)->register_memory(mem.region());
   ASSERT_TRUE(rid);
   mem.set_region_id(*rid);
-  Inbox in;
   auto l = (*t)->listen(listen_address(m, "echo"), {Role::kServer, 0}, in.acceptor(), in.handlers());
   ASSERT_TRUE(l) << l.error().to_string();
   Child child({"--mode", m.name, "--connect", (*l)->address(), "--behaviour", "echo", "--channels", "2"});
@@ -190,6 +190,7 @@ INSTANTIATE_TEST_SUITE_P(All, ProcessTest,
                          });
 
 TEST(ShmProcess, CrashedPeerIsDetectedAndItsResourcesReleased) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   const Mode m{"shm", Kind::kShm, ZeroCopy::kWritev};
   auto t = Transport::create(server_options(m));
   ASSERT_TRUE(t);
@@ -199,7 +200,6 @@ TEST(ShmProcess, CrashedPeerIsDetectedAndItsResourcesReleased) {
   mem.set_region_id(*rid);
   const std::size_t lanes_before = count_maps("ember-shm-lane");
   const std::size_t fds_before = count_fds();
-  Inbox in;
   auto l = (*t)->listen(listen_address(m, "crash"), {Role::kServer, 0}, in.acceptor(), in.handlers());
   ASSERT_TRUE(l);
   const std::size_t fds_listening = count_fds();
@@ -232,13 +232,13 @@ TEST(ShmProcess, CrashedPeerIsDetectedAndItsResourcesReleased) {
 }
 
 TEST(ShmProcess, HungPeerIsDeclaredDeadByHeartbeat) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   const Mode m{"shm", Kind::kShm, ZeroCopy::kWritev};
   Options o = server_options(m);
   o.heartbeat_interval = 50ms;
   o.heartbeat_timeout = 400ms;
   auto t = Transport::create(o);
   ASSERT_TRUE(t);
-  Inbox in;
   auto l = (*t)->listen(listen_address(m, "hang"), {Role::kServer, 0}, in.acceptor(), in.handlers());
   ASSERT_TRUE(l);
   Child child({"--mode", "shm", "--connect", (*l)->address(), "--behaviour", "echo", "--channels", "2"});
@@ -251,10 +251,10 @@ TEST(ShmProcess, HungPeerIsDeclaredDeadByHeartbeat) {
 }
 
 TEST(TcpProcess, PeerKilledMidTransferClosesWithAnError) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   const Mode m{"tcp", Kind::kTcp, ZeroCopy::kWritev};
   auto t = Transport::create(server_options(m));
   ASSERT_TRUE(t);
-  Inbox in;
   in.check_pattern_bytes = false;
   auto l = (*t)->listen(listen_address(m, "kill"), {Role::kServer, 0}, in.acceptor(), in.handlers());
   ASSERT_TRUE(l);

@@ -44,9 +44,9 @@ handshake::Hello good_hello() {
 }
 
 struct Server {
+  Inbox inbox;  // first: destroyed last, after the transport ran on_closed into it
   std::unique_ptr<Transport> transport;
   std::unique_ptr<Listener> listener;
-  Inbox inbox;
   explicit Server(Options o, std::string address = "127.0.0.1:0") {
     auto t = Transport::create(std::move(o));
     EMBER_CHECK_MSG(t.has_value(), "{}", t.error().to_string());
@@ -71,6 +71,7 @@ bool wait_refused(Listener& l, std::uint64_t n) {
 class TokenTest : public ::testing::TestWithParam<Kind> {};
 
 TEST_P(TokenTest, WrongTokenIsRefusedWithAClearErrorOnBothSides) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   Options so = tcp_options();
   so.kind = GetParam();
   so.auth_token = "s3cret";
@@ -80,7 +81,6 @@ TEST_P(TokenTest, WrongTokenIsRefusedWithAClearErrorOnBothSides) {
   co.auth_token = "wrong";
   auto client = Transport::create(co);
   ASSERT_TRUE(client);
-  Inbox in;
   auto conn = (*client)->connect(server.listener->address(), {Role::kWorker, 1}, in.handlers());
   ASSERT_FALSE(conn);
   EXPECT_EQ(conn.error().code(), ErrorCode::kAuth) << conn.error().to_string();
@@ -107,6 +107,7 @@ TEST_P(TokenTest, WrongTokenIsRefusedWithAClearErrorOnBothSides) {
 }
 
 TEST_P(TokenTest, ChannelCountMismatchIsRefused) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   Options so = tcp_options();
   so.kind = GetParam();
   so.num_channels = 2;
@@ -116,7 +117,6 @@ TEST_P(TokenTest, ChannelCountMismatchIsRefused) {
   co.num_channels = 3;
   auto client = Transport::create(co);
   ASSERT_TRUE(client);
-  Inbox in;
   auto conn = (*client)->connect(server.listener->address(), {Role::kWorker, 1}, in.handlers());
   ASSERT_FALSE(conn);
   EXPECT_EQ(conn.error().code(), ErrorCode::kProtocol);
@@ -129,9 +129,9 @@ INSTANTIATE_TEST_SUITE_P(All, TokenTest, ::testing::Values(Kind::kTcp, Kind::kSh
                          [](const auto& p) { return std::string(kind_name(p.param)); });
 
 TEST(TcpListen, NonLoopbackAddressNeedsAToken) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   auto t = Transport::create(tcp_options());
   ASSERT_TRUE(t);
-  Inbox in;
   auto l = (*t)->listen("0.0.0.0:0", {Role::kServer, 0}, in.acceptor(), in.handlers());
   ASSERT_FALSE(l);
   EXPECT_EQ(l.error().code(), ErrorCode::kConfig);
@@ -155,6 +155,7 @@ TEST(TcpHandshake, VersionMismatchNamesBothVersions) {
 }
 
 TEST(TcpHandshake, ClientReportsAServerOfAnotherVersion) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   // A fake listener that accepts with version 7.
   auto fake = Transport::create(tcp_options());  // only for its address helpers: a plain socket below
   ASSERT_TRUE(fake);
@@ -178,7 +179,6 @@ TEST(TcpHandshake, ClientReportsAServerOfAnotherVersion) {
     (void)stream_io::write_all(fd, handshake::encode(r), deadline, "fake");
     ::close(fd);
   });
-  Inbox in;
   auto conn = (*fake)->connect("127.0.0.1:" + std::to_string(ntohs(sa.sin_port)), {Role::kWorker, 0},
                                in.handlers());
   server.join();
@@ -191,9 +191,9 @@ TEST(TcpHandshake, ClientReportsAServerOfAnotherVersion) {
 
 // A healthy connection that must keep working while other peers misbehave.
 struct HealthyPair {
+  Inbox in;  // first: destroyed last
   std::unique_ptr<Transport> client;
   std::shared_ptr<Connection> conn;
-  Inbox in;
   explicit HealthyPair(const std::string& address, Options o = tcp_options()) {
     auto t = Transport::create(std::move(o));
     EMBER_CHECK(t.has_value());
@@ -356,6 +356,7 @@ TEST(TcpHeartbeat, IdleButHealthyConnectionsStayUp) {
 class SlowReceiverTest : public ::testing::TestWithParam<Kind> {};
 
 TEST_P(SlowReceiverTest, SenderWaitsThenFailsAndMemoryStaysBounded) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   Options o = tcp_options();
   o.kind = GetParam();
   o.heartbeat_timeout = 20s;  // the receiver is stalled on purpose
@@ -378,7 +379,6 @@ TEST_P(SlowReceiverTest, SenderWaitsThenFailsAndMemoryStaysBounded) {
   auto rid = (*ct)->register_memory(mem.region());
   ASSERT_TRUE(rid);
   mem.set_region_id(*rid);
-  Inbox in;
   auto conn = (*ct)->connect(server.listener->address(), {Role::kWorker, 0}, in.handlers());
   ASSERT_TRUE(conn) << conn.error().to_string();
   constexpr std::size_t kMsg = 256 << 10;
@@ -406,6 +406,7 @@ TEST_P(SlowReceiverTest, SenderWaitsThenFailsAndMemoryStaysBounded) {
 }
 
 TEST_P(SlowReceiverTest, SmallMessagesAlsoStopAtTheBound) {
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
   Options o = tcp_options();
   o.kind = GetParam();
   o.heartbeat_timeout = 20s;
@@ -424,7 +425,6 @@ TEST_P(SlowReceiverTest, SmallMessagesAlsoStopAtTheBound) {
   };
   auto ct = Transport::create(o);
   ASSERT_TRUE(ct);
-  Inbox in;
   auto conn = (*ct)->connect(server.listener->address(), {Role::kWorker, 0}, in.handlers());
   ASSERT_TRUE(conn) << conn.error().to_string();
   std::array<std::byte, 1000> msg{};
@@ -453,6 +453,7 @@ INSTANTIATE_TEST_SUITE_P(All, SlowReceiverTest, ::testing::Values(Kind::kTcp, Ki
 class ManyConnectionsTest : public ::testing::TestWithParam<Kind> {};
 
 TEST_P(ManyConnectionsTest, SixtyFourConnectionsAtOnceEachGetTheirEcho) {
+  std::vector<std::unique_ptr<Inbox>> inboxes;  // before the transports: on_closed may run into it until they are gone
   Options o = tcp_options();
   o.kind = GetParam();
   o.num_channels = 2;
@@ -469,7 +470,6 @@ TEST_P(ManyConnectionsTest, SixtyFourConnectionsAtOnceEachGetTheirEcho) {
   auto ct = Transport::create(o);
   ASSERT_TRUE(ct);
   constexpr int kConns = 64;
-  std::vector<std::unique_ptr<Inbox>> inboxes;
   std::vector<std::shared_ptr<Connection>> conns(kConns);
   for (int i = 0; i < kConns; ++i) inboxes.push_back(std::make_unique<Inbox>());
   std::vector<std::thread> threads;

@@ -49,6 +49,7 @@ const std::vector<std::size_t> kSizes = {0,    1,          4095,       4096,
                                          4097, 1u << 20, 64u << 20};
 
 TEST_P(TransportTest, EverySizeArrivesIntactAndInOrderPerChannel) {
+  Inbox server_in, client_in;  // before the transports: on_closed may run into it until they are gone
   const Mode mode = GetParam();
   auto server_tx = Transport::create(options_for(mode));
   ASSERT_TRUE(server_tx) << server_tx.error().to_string();
@@ -62,7 +63,6 @@ TEST_P(TransportTest, EverySizeArrivesIntactAndInOrderPerChannel) {
   ASSERT_TRUE(cid);
   client_mem.set_region_id(*cid);
 
-  Inbox server_in, client_in;
   auto listener = (*server_tx)->listen(address_for(mode, "sizes"), {Role::kServer, 0},
                                        server_in.acceptor(), server_in.handlers());
   ASSERT_TRUE(listener) << listener.error().to_string();
@@ -115,12 +115,12 @@ TEST_P(TransportTest, EverySizeArrivesIntactAndInOrderPerChannel) {
 }
 
 TEST_P(TransportTest, ManySmallMessagesKeepOrderFromConcurrentSenders) {
+  Inbox server_in, client_in;  // before the transports: on_closed may run into it until they are gone
   const Mode mode = GetParam();
   auto server_tx = Transport::create(options_for(mode));
   ASSERT_TRUE(server_tx);
   auto client_tx = Transport::create(options_for(mode));
   ASSERT_TRUE(client_tx);
-  Inbox server_in, client_in;
   server_in.check_pattern_bytes = false;
   std::mutex seen_mu;
   std::map<std::uint32_t, std::vector<std::uint64_t>> seen;  // per sender thread: sequence numbers
@@ -169,6 +169,7 @@ TEST_P(TransportTest, ManySmallMessagesKeepOrderFromConcurrentSenders) {
 }
 
 TEST_P(TransportTest, PoolBuffersAndUnregisteredMemoryBothArrive) {
+  Inbox server_in, client_in;  // before the transports: on_closed may run into it until they are gone
   // Large messages from the page pool (zero-copy: sendfile/lent) and from
   // plain memory (tcp: gathered write; shm: fragments through the ring),
   // received into the receiver's pool.
@@ -187,7 +188,6 @@ TEST_P(TransportTest, PoolBuffersAndUnregisteredMemoryBothArrive) {
   ASSERT_TRUE(client_tx);
   auto rid = register_pool(**client_tx, **send_pool);
   ASSERT_TRUE(rid);
-  Inbox server_in, client_in;
   bool in_recv_pool = true;
   server_in.also = [&](Connection&, Incoming& m) {
     if (m.is_large() && mode.kind != Kind::kShm) in_recv_pool = in_recv_pool && (*recv_pool)->contains(m.bytes.data());

@@ -228,20 +228,22 @@ TEST(RdmaMemlock, ReadsAndAppliesTheProcessLimit) {
 
 // --- transport = "auto" and "rdma" ---
 
-TEST(RdmaSelect, AutoPicksRdmaWhenADeviceHasAnActivePort) {
+TEST(RdmaSelect, AutoPicksRdmaForARemotePeerWhenADeviceHasAnActivePort) {
   Availability a;
   a.available = true;
   a.device = "rxe0";
   a.detail = "rxe0 port 1 (ACTIVE, Ethernet, netdev d0, 198.18.0.1)";
-  for (bool same_host : {false, true}) {
-    const AutoChoice c = choose_auto(same_host, a);
-    EXPECT_EQ(c.kind, Kind::kRdma);
-    EXPECT_NE(c.reason.find("rdma"), std::string::npos);
-    EXPECT_NE(c.reason.find("rxe0 port 1"), std::string::npos) << c.reason;
-  }
+  const AutoChoice c = choose_auto(/*peer_on_same_host=*/false, a);
+  EXPECT_EQ(c.kind, Kind::kRdma);
+  EXPECT_NE(c.reason.find("using rdma"), std::string::npos) << c.reason;
+  EXPECT_NE(c.reason.find("rxe0 port 1"), std::string::npos) << c.reason;
+  // A peer on this host still gets shm, which copies nothing.
+  const AutoChoice local = choose_auto(/*peer_on_same_host=*/true, a);
+  EXPECT_EQ(local.kind, Kind::kShm);
+  EXPECT_NE(local.reason.find("on this host"), std::string::npos) << local.reason;
 }
 
-TEST(RdmaSelect, AutoFallsBackToShmOrTcpAndSaysWhy) {
+TEST(RdmaSelect, AutoFallsBackToTcpOrShmAndSaysWhy) {
   Availability none;
   none.detail = "no RDMA device (ibv_get_device_list found none)";
   const AutoChoice remote = choose_auto(false, none);

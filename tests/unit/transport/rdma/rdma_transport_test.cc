@@ -587,9 +587,12 @@ TEST_F(RdmaErrors, AutoPicksRdmaOnAHostWithAnActiveDevice) {
   config::CommunicationConfig comm;
   comm.transport = config::Transport::kAuto;
   comm.num_channels = 1;
-  auto o = options_from_config(comm, /*peer_on_same_host=*/true);
+  auto o = options_from_config(comm, /*peer_on_same_host=*/false);
   ASSERT_TRUE(o) << o.error().to_string();
   EXPECT_EQ(o->kind, Kind::kRdma);
+  auto local = options_from_config(comm, /*peer_on_same_host=*/true);
+  ASSERT_TRUE(local);
+  EXPECT_EQ(local->kind, Kind::kShm) << "a peer on this host gets shm";
   comm.transport = config::Transport::kRdma;
   auto r = options_from_config(comm);
   ASSERT_TRUE(r);
