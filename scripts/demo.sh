@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# Ember's main job: data-parallel training of a Fashion-MNIST MLP
+# (784-256-128-10) through ember-server, compared with the same model trained
+# in one process without Ember.
+#
+#   scripts/demo.sh [--workers N] [--servers M] [--epochs E] [--transport tcp|shm]
+#                   [--mode bsp|asp|ssp] [--batch-size B] [--seed S]
+#                   [--min-accuracy A] [--keep-logs]
+#
+# Steps: installs missing Debian packages (scripts/install-deps.sh; skipped
+# with EMBER_SKIP_DEPS=1), builds the release preset's ember-server,
+# fmnist-worker and fmnist-baseline, writes a run config derived from
+# config/ember.toml (free ports on 127.0.0.1, N workers, M servers, transport,
+# consistency, momentum SGD lr 0.05), starts the M servers and waits until each
+# says it is ready, launches the N workers pinned to cores
+# (scripts/launch_workers.sh), shows a progress bar per epoch from the
+# workers' logs, stops the servers with SIGTERM (each must exit 0), trains the
+# baseline (fmnist-baseline, batch N*B, same seed) and prints a final table.
+#
+# Defaults: 2 workers, 1 server, 3 epochs, tcp, bsp, batch 128 per worker,
+# seed 1. --min-accuracy (default 0.85 for bsp with >= 3 epochs, else 0 = no
+# check) is the test accuracy every worker must reach. Exit status 0 when
+# everything worked; non-zero when a step failed (build, a server, a worker,
+# a server's exit status, the accuracy check). Ctrl-C stops everything.
+# Logs stay in the printed directory on failure or with --keep-logs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+workers=2; servers=1; epochs=3; transport=tcp; mode=bsp; batch=128; seed=1
+min_accuracy=""; keep_logs=0
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+die() { echo "demo: $*" >&2; exit 2; }
+while (($#)); do
+  case "$1" in
+    --workers) workers="${2:-}"; shift 2 ;;
+    --servers) servers="${2:-}"; shift 2 ;;
+    --epochs) epochs="${2:-}"; shift 2 ;;
+    --transport) transport="${2:-}"; shift 2 ;;
+    --mode) mode="${2:-}"; shift 2 ;;
+    --batch-size) batch="${2:-}"; shift 2 ;;
+    --seed) seed="${2:-}"; shift 2 ;;
+    --min-accuracy) min_accuracy="${2:-}"; shift 2 ;;
+    --keep-logs) keep_logs=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+[[ $workers =~ ^[1-9][0-9]*$ ]] || die "--workers must be a number >= 1 (got '$workers')"
+[[ $servers =~ ^[1-9][0-9]*$ ]] || die "--servers must be a number >= 1 (got '$servers')"
+[[ $epochs =~ ^[1-9][0-9]*$ ]] || die "--epochs must be a number >= 1 (got '$epochs')"
+[[ $batch =~ ^[1-9][0-9]*$ ]] || die "--batch-size must be a number >= 1 (got '$batch')"
+[[ $seed =~ ^[0-9]+$ ]] || die "--seed must be a number (got '$seed')"
+case "$transport" in tcp|shm) ;; *) die "--transport must be tcp or shm (got '$transport')" ;; esac
+case "$mode" in bsp|asp|ssp) ;; *) die "--mode must be bsp, asp or ssp (got '$mode')" ;; esac
+((workers * batch <= 60000)) || die "--workers x --batch-size must be at most 60000 (the training set)"
+if [[ -z $min_accuracy ]]; then
+  if [[ $mode == bsp ]] && ((epochs >= 3)); then min_accuracy=0.85; else min_accuracy=0; fi
+fi
+[[ $min_accuracy =~ ^(0(\.[0-9]+)?|1(\.0+)?)$ ]] || die "--min-accuracy must be in [0, 1] (got '$min_accuracy')"
+
+if [[ -t 1 ]]; then bold=$'\e[1m'; red=$'\e[31m'; green=$'\e[32m'; off=$'\e[0m'; else bold=""; red=""; green=""; off=""; fi
+say() { echo "${bold}==>${off} $*"; }
+
+# ---------------------------------------------------------------- clean-up
+run_dir=$(mktemp -d "${TMPDIR:-/tmp}/ember-demo.XXXXXX")
+server_pids=()
+launcher_pid=""
+ok=0
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  if [[ -n $launcher_pid ]] && kill -0 "$launcher_pid" 2>/dev/null; then
+    kill -TERM "$launcher_pid" 2>/dev/null || true   # it stops its workers
+    wait "$launcher_pid" 2>/dev/null || true
+  fi
+  for p in "${server_pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${server_pids[@]}"; do
+    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+  if ((ok && !keep_logs)); then
+    rm -rf "$run_dir"
+  else
+    echo "demo: logs are in $run_dir" >&2
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'echo; echo "demo: interrupted" >&2; exit 130' INT TERM
+
+fail() {
+  echo "${red}demo: FAILED: $*${off}" >&2
+  exit 1
+}
+show_log() {  # show_log FILE: the end of a log, indented
+  [[ -f $1 ]] || return 0
+  echo "---- last lines of $1" >&2
+  tail -n 15 "$1" | sed 's/^/    /' >&2
+}
+
+# ---------------------------------------------------------------- deps + build
+t_start=$SECONDS
+if [[ ${EMBER_SKIP_DEPS:-0} != 1 ]]; then
+  say "dependencies (scripts/install-deps.sh)"
+  scripts/install-deps.sh || fail "scripts/install-deps.sh failed"
+fi
+say "building the release preset: ember-server fmnist-worker fmnist-baseline (first time: a few minutes)"
+cmake --preset release >"$run_dir/configure.log" 2>&1 || { show_log "$run_dir/configure.log"; fail "cmake --preset release failed"; }
+cmake --build build/release -j "$(nproc)" --target ember-server fmnist-worker fmnist-baseline \
+  >"$run_dir/build.log" 2>&1 || {
+    echo "---- first errors in $run_dir/build.log" >&2
+    grep -E -m 20 '(error|FAILED)' "$run_dir/build.log" | sed 's/^/    /' >&2
+    fail "the build failed"
+  }
+t_built=$SECONDS
+server_bin=$root/build/release/server/ember-server
+worker_bin=$root/build/release/examples/fashion_mnist/fmnist-worker
+baseline_bin=$root/build/release/examples/fashion_mnist/fmnist-baseline
+
+# ---------------------------------------------------------------- run config
+# M free TCP ports on 127.0.0.1, held together so they differ (with shm they
+# only name the servers' sockets).
+read -r -a ports <<<"$(python3 - "$servers" <<'EOF'
+import socket, sys
+held = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    held.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in held))
+EOF
+)"
+server_list=$(printf '127.0.0.1:%s,' "${ports[@]}"); server_list=${server_list%,}
+config=$run_dir/ember.toml
+# The server validates the overrides and prints the effective config (every
+# key, defaults included): that is the run config every process loads.
+"$server_bin" --config config/ember.toml --print-config \
+  --set "cluster.servers=$server_list" \
+  --set "cluster.num_workers=$workers" \
+  --set "communication.transport=$transport" \
+  --set "communication.prealloc_pages=32" \
+  --set "server.consistency=$mode" \
+  --set "server.on_worker_loss=fail" \
+  --set "optimizer.type=momentum" \
+  --set "optimizer.learning_rate=0.05" \
+  --set "optimizer.momentum=0.9" \
+  >"$config" 2>"$run_dir/config.err" || { show_log "$run_dir/config.err"; fail "could not write the run config"; }
+
+say "job: $workers worker(s) x batch $batch, $servers server(s) on ${server_list//,/ }, $transport, $mode, $epochs epoch(s), momentum SGD lr 0.05 (config $config)"
+
+# ---------------------------------------------------------------- servers
+t_train=$SECONDS
+for ((i = 0; i < servers; i++)); do
+  "$server_bin" --config "$config" --set "server.server_index=$i" >"$run_dir/server-$i.log" 2>&1 &
+  server_pids+=($!)
+done
+for ((i = 0; i < servers; i++)); do
+  deadline=$((SECONDS + 30))
+  until grep -q '^ember-server ready' "$run_dir/server-$i.log" 2>/dev/null; do
+    if ! kill -0 "${server_pids[i]}" 2>/dev/null; then
+      show_log "$run_dir/server-$i.log"; fail "ember-server $i exited during start-up"
+    fi
+    ((SECONDS < deadline)) || { show_log "$run_dir/server-$i.log"; fail "ember-server $i not ready within 30 s"; }
+    sleep 0.1
+  done
+  echo "    $(grep -m1 '^ember-server ready' "$run_dir/server-$i.log") (pid ${server_pids[i]})"
+done
+
+# ---------------------------------------------------------------- workers
+say "training"
+scripts/launch_workers.sh --workers "$workers" --log-dir "$run_dir" -- \
+  "$worker_bin" --config "$config" --rank '{rank}' --epochs "$epochs" --batch-size "$batch" \
+  --seed "$seed" --progress-every 5 2>"$run_dir/launcher.log" &
+launcher_pid=$!
+
+bar() {  # bar DONE TOTAL WIDTH
+  local filled=$(($1 * $3 / ($2 > 0 ? $2 : 1)))
+  printf '%*s' "$filled" '' | tr ' ' '#'
+  printf '%*s' "$(($3 - filled))" '' | tr ' ' '.'
+}
+field() {  # field LINE KEY: the value of KEY=value in LINE
+  local re="(^| )$2=([^ ]*)"
+  if [[ $1 =~ $re ]]; then echo "${BASH_REMATCH[2]}"; fi
+}
+percent() { awk -v x="$1" 'BEGIN { printf "%.1f%%", x * 100 }'; }
+less_than() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a < b) }'; }
+# One bar per epoch, following the slowest worker.
+shown_epoch=1
+render() {
+  local final=${1:-0} e s_min=-1 total=0 loss="" line r log
+  for ((r = 0; r < workers; r++)); do
+    log=$run_dir/worker-$r.log
+    line=$(grep -a "^progress epoch=$shown_epoch " "$log" 2>/dev/null | tail -n 1) || true
+    local s=0
+    if [[ -n $line ]]; then
+      local st; st=$(field "$line" step); s=${st%/*}; total=${st#*/}
+      [[ $r == 0 ]] && loss=$(field "$line" loss)
+    fi
+    ((s_min < 0 || s < s_min)) && s_min=$s
+  done
+  # An epoch is over when every worker printed its summary line.
+  local done_all=1 accs=""
+  for ((r = 0; r < workers; r++)); do
+    line=$(grep -a "^epoch $shown_epoch/" "$run_dir/worker-$r.log" 2>/dev/null | tail -n 1) || true
+    if [[ -z $line ]]; then done_all=0; break; fi
+    accs+=" $(field "$line" test_accuracy)"
+  done
+  if ((done_all)); then
+    line=$(grep -a "^epoch $shown_epoch/" "$run_dir/worker-0.log" | tail -n 1)
+    printf '\r  epoch %d/%d [%s] %s steps  loss %s  test accuracy%s  %s samples/s/worker  comm %s\n' \
+      "$shown_epoch" "$epochs" "$(bar 1 1 30)" "$(field "$line" steps)" "$(field "$line" train_loss)" \
+      "$accs" "$(field "$line" samples_per_s)" "$(percent "$(field "$line" comm_share)")"
+    shown_epoch=$((shown_epoch + 1))
+    ((shown_epoch <= epochs)) && render "$final"
+    return 0
+  fi
+  if [[ -t 1 ]] && ((total > 0)); then
+    printf '\r  epoch %d/%d [%s] %d/%d steps  loss %s ' "$shown_epoch" "$epochs" \
+      "$(bar "$s_min" "$total" 30)" "$s_min" "$total" "${loss:--}"
+  fi
+}
+while kill -0 "$launcher_pid" 2>/dev/null; do
+  ((shown_epoch <= epochs)) && render
+  sleep 0.25
+done
+set +e
+wait "$launcher_pid"
+launcher_rc=$?
+set -e
+launcher_pid=""
+((shown_epoch <= epochs)) && render 1
+[[ -t 1 ]] && ((shown_epoch <= epochs)) && echo
+if ((launcher_rc != 0)); then
+  cat "$run_dir/launcher.log" >&2
+  for ((r = 0; r < workers; r++)); do show_log "$run_dir/worker-$r.log"; done
+  for ((i = 0; i < servers; i++)); do show_log "$run_dir/server-$i.log"; done
+  fail "a worker failed (exit code $launcher_rc)"
+fi
+
+# ---------------------------------------------------------------- stop servers
+say "stopping the servers (SIGTERM)"
+for ((i = 0; i < servers; i++)); do kill -TERM "${server_pids[i]}"; done
+for ((i = 0; i < servers; i++)); do
+  set +e
+  wait "${server_pids[i]}"
+  rc=$?
+  set -e
+  if ((rc != 0)); then show_log "$run_dir/server-$i.log"; fail "ember-server $i exited with $rc after SIGTERM (expected 0)"; fi
+done
+server_pids=()
+
+t_trained=$SECONDS
+# ---------------------------------------------------------------- baseline
+say "baseline: the same model in one process without Ember (batch $((workers * batch)), seed $seed)"
+"$baseline_bin" --batch-size $((workers * batch)) --epochs "$epochs" --seed "$seed" \
+  --optimizer sgd --lr 0.05 --momentum 0.9 >"$run_dir/baseline.log" 2>&1 \
+  || { show_log "$run_dir/baseline.log"; fail "fmnist-baseline failed"; }
+baseline=$(grep -a '^RESULT' "$run_dir/baseline.log" | tail -n 1)
+
+# ---------------------------------------------------------------- table
+echo
+echo "${bold}Fashion-MNIST MLP 784-256-128-10, $epochs epoch(s), momentum SGD lr 0.05 m 0.9, seed $seed${off}"
+echo "Ember: $workers worker(s) x batch $batch, $servers server(s), $transport, $mode"
+printf '%-26s %6s %9s %11s %11s %9s\n' "run" "epochs" "test acc" "samples/s" "comm share" "train s"
+total_rate=0
+slowest=0
+below=()
+for ((r = 0; r < workers; r++)); do
+  res=$(grep -a '^RESULT' "$run_dir/worker-$r.log" | tail -n 1) || fail "worker $r printed no RESULT line"
+  acc=$(field "$res" test_accuracy); rate=$(field "$res" samples_per_s)
+  share=$(field "$res" comm_share); secs=$(field "$res" train_s)
+  total_rate=$((total_rate + rate))
+  slowest=$(awk -v a="$slowest" -v b="$secs" 'BEGIN { print (b > a ? b : a) }')
+  printf '%-26s %6s %9s %11s %11s %9s\n' "ember worker $r" "$epochs" "$acc" "$rate" \
+    "$(percent "$share")" "$secs"
+  if less_than "$acc" "$min_accuracy"; then below+=("worker $r: $acc"); fi
+done
+printf '%-26s %6s %9s %11s %11s %9s\n' "ember, all workers" "$epochs" "" "$total_rate" "" ""
+printf '%-26s %6s %9s %11s %11s %9s\n' "baseline, 1 process" "$epochs" "$(field "$baseline" test_accuracy)" \
+  "$(field "$baseline" samples_per_s)" "-" "$(field "$baseline" train_s)"
+echo "(samples/s: training samples per second of training time, evaluation excluded; comm share:"
+echo " time a worker's training thread was blocked on Ember over its training time)"
+awk -v b="$(field "$baseline" train_s)" -v e="$slowest" -v n="$workers" 'BEGIN {
+  if (e > 0) printf "training time: %.2f s with Ember (slowest worker) vs %.2f s in one process: %.2fx with %d worker(s)\n", e, b, b / e, n }'
+echo "wall time: $((t_built - t_start)) s dependencies + build, $((t_trained - t_train)) s servers + workers, $((SECONDS - t_trained)) s baseline"
+if ((${#below[@]} > 0)); then
+  fail "test accuracy below $min_accuracy: ${below[*]}"
+fi
+[[ $min_accuracy != 0 ]] && echo "${green}demo: OK${off} (every worker reached test accuracy >= $min_accuracy)" \
+  || echo "${green}demo: OK${off}"
+ok=1
