@@ -3,6 +3,7 @@
 #include "server/server.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -65,6 +66,9 @@ struct ConnState {
     std::array<std::uint64_t, proto::kMaxDims> dims{};
   };
   std::vector<Pending> pending;
+  // Held while a header and its following payload are sent, so that replies
+  // from different shard threads do not interleave on a channel.
+  std::vector<std::unique_ptr<std::mutex>> send_mutex;
   std::atomic<std::uint32_t> errors_logged{0};
   std::atomic<bool> closing{false};
 };
@@ -165,6 +169,11 @@ struct Server::Impl final : ReplySink {
   // ---- replies (shard threads, I/O threads, checkpoint thread) ----
 
   void send_message(const ReplyTo& to, const proto::Header& h, std::span<const std::byte> payload);
+  // Sends encoded bytes under the channel's send lock; from an I/O thread the
+  // message is handed to a shard thread instead (an I/O thread must not wait
+  // for the lock: the holder may be waiting for that thread to drain).
+  void send_raw(const ReplyTo& to, std::span<const std::byte> bytes);
+  bool on_io_thread() const { return transport && transport->on_io_thread(); }
   void reply(const ReplyTo& to, const proto::Header& header, std::span<const float> values) override {
     send_message(to, header, std::as_bytes(values));
   }
@@ -316,6 +325,9 @@ Status Server::Impl::init(const config::Config& cfg) {
       }
     };
     hooks.on_error = [this](const Error& e) { log->warn("shard: {}", e.to_string()); };
+    hooks.send_raw = [this](const ReplyTo& to, std::span<const std::byte> bytes) {
+      send_raw(to, bytes);
+    };
     EMBER_ASSIGN_OR_RETURN(auto shard, Shard::create(std::move(so), *optimizer, std::move(hooks)));
     shards.push_back(std::move(shard));
   }
@@ -403,6 +415,9 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
   state->rank = peer.rank;
   state->peer = peer.address;
   state->pending.resize(peer.num_channels);
+  for (std::uint32_t i = 0; i < peer.num_channels; ++i) {
+    state->send_mutex.push_back(std::make_unique<std::mutex>());
+  }
   bool back = false;
   {
     std::unique_lock lock(conns_mutex);
@@ -471,19 +486,39 @@ void Server::Impl::error(const ReplyTo& to, const proto::Header& request, const 
     log->warn("bad request from worker {} ({}): {}: {}", c->rank, c->peer, proto::describe(request),
               err.to_string());
   }
-  const auto bytes = proto::encode_error_reply(request, err);
+  send_raw(to, proto::encode_error_reply(request, err));
+}
+
+void Server::Impl::send_raw(const ReplyTo& to, std::span<const std::byte> bytes) {
+  if (on_io_thread()) {
+    ShardItem item;
+    item.kind = ShardItem::Kind::kSendRaw;
+    item.request.to = to;
+    item.raw.assign(bytes.begin(), bytes.end());
+    shards[to.connection_id % shards.size()]->post(std::move(item));
+    return;
+  }
+  auto c = find_id(to.connection_id);
+  if (!c || to.channel >= c->send_mutex.size()) return;
+  std::lock_guard channel_lock(*c->send_mutex[to.channel]);
   if (Status s = c->conn->send(to.channel, bytes); !s) {
-    log->debug("error reply to worker {} not sent: {}", c->rank, s.error().to_string());
+    log->debug("message to worker {} not sent: {}", c->rank, s.error().to_string());
   }
 }
 
 void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
                                 std::span<const std::byte> payload) {
+  if (on_io_thread()) {
+    send_raw(to, proto::encode_message(h, {}, payload));
+    return;
+  }
   auto c = find_id(to.connection_id);
   if (!c) return;  // the worker went away; nothing to answer
   const std::size_t prefix = proto::prefix_bytes(h);
   const std::size_t total = prefix + payload.size();
   Status s;
+  if (to.channel >= c->send_mutex.size()) return;
+  std::lock_guard channel_lock(*c->send_mutex[to.channel]);
   if (total <= small_message_limit) {
     thread_local std::vector<std::byte> buf;
     buf.resize(total);
@@ -491,11 +526,18 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     if (!payload.empty()) std::memcpy(buf.data() + prefix, payload.data(), payload.size());
     s = c->conn->send(to.channel, buf);
   } else {
-    transport::Buffer b = proto::allocate_buffer(*pool, total, region_id.load(std::memory_order_acquire));
-    proto::encode_prefix(h, {}, b.bytes());
-    // The one copy of a pull reply: the parameters as of now, into pool memory.
-    std::memcpy(b.data() + prefix, payload.data(), payload.size());
-    s = c->conn->send(to.channel, std::move(b));
+    // Header, then the data as the next message in a block of exactly its
+    // size. The one copy of a pull reply: the parameters as of now, into
+    // pool memory (they change after this call).
+    proto::Header head = h;
+    head.flags |= proto::kFlagPayloadFollows;
+    std::array<std::byte, proto::kHeaderBytes> hb;
+    proto::encode_prefix(head, {}, hb);
+    transport::Buffer b =
+        proto::allocate_buffer(*pool, payload.size(), region_id.load(std::memory_order_acquire));
+    std::memcpy(b.data(), payload.data(), payload.size());
+    s = c->conn->send(to.channel, hb);
+    if (s) s = c->conn->send(to.channel, std::move(b));
   }
   if (!s) log->debug("reply to worker {} not sent: {}", c->rank, s.error().to_string());
 }

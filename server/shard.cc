@@ -155,6 +155,9 @@ void Shard::handle(ShardItem& item) {
       }
       if (item.countdown) item.countdown->arrive();
       break;
+    case ShardItem::Kind::kSendRaw:
+      if (hooks_.send_raw) hooks_.send_raw(item.request.to, item.raw);
+      break;
     case ShardItem::Kind::kSnapshot: {
       auto entries = core_.snapshot();
       auto& c = *item.collector;

@@ -58,6 +58,7 @@ struct ShardItem {
     kDropConnection,  // request.to.connection_id
     kSetLearningRate, // value, countdown
     kSnapshot,        // collector
+    kSendRaw,         // raw (an encoded message) to request.to, through hooks.send_raw
   };
   Kind kind = Kind::kRequest;
   std::uint32_t rank = 0;
@@ -67,6 +68,7 @@ struct ShardItem {
   double value = 0.0;
   std::shared_ptr<Countdown> countdown;
   std::shared_ptr<SnapshotCollector> collector;
+  std::vector<std::byte> raw;
   TimePoint received{};
 };
 
@@ -88,6 +90,9 @@ struct ShardHooks {
   // set_learning_rate refused by a shard (cannot happen when the I/O thread
   // validated it; kept for completeness).
   std::function<void(const Error&)> on_error;
+  // Sends an already encoded message (replies made on I/O threads, which
+  // must not wait for a channel's send lock).
+  std::function<void(const ReplyTo& to, std::span<const std::byte> bytes)> send_raw;
 };
 
 class Shard {

@@ -232,8 +232,14 @@ struct Worker::Impl {
   Result<std::shared_ptr<transport::Connection>> connection(ServerLink& link, std::uint64_t& gen);
 
   // ---- I/O callbacks ----
-  void on_reply(std::uint32_t server, std::uint64_t gen, transport::Connection& conn,
+  // Per connection: a reply header whose payload is the next message on its
+  // channel (payload-follows). Each slot is used by its channel's I/O thread only.
+  struct FollowState {
+    std::vector<std::optional<proto::Header>> slots;
+  };
+  void on_reply(std::uint32_t server, FollowState& follow, transport::Connection& conn,
                 transport::Incoming&& msg);
+  void handle_reply(std::uint32_t server, const proto::Header& h, std::span<const std::byte> payload);
   void on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason);
 
   // ---- issue ----
@@ -308,8 +314,10 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
                                                                     std::uint64_t gen) {
   transport::Handlers handlers;
   const std::uint32_t s = link.index;
-  handlers.on_message = [this, s, gen](transport::Connection& c, transport::Incoming&& m) {
-    on_reply(s, gen, c, std::move(m));
+  auto follow = std::make_shared<FollowState>();
+  follow->slots.resize(num_channels);
+  handlers.on_message = [this, s, follow](transport::Connection& c, transport::Incoming&& m) {
+    on_reply(s, *follow, c, std::move(m));
   };
   handlers.on_closed = [this, s, gen](transport::Connection&, const Error& reason) {
     on_closed(s, gen, reason);
@@ -443,8 +451,26 @@ void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Erro
   }
 }
 
-void Worker::Impl::on_reply(std::uint32_t server, std::uint64_t /*gen*/, transport::Connection& conn,
+void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport::Connection& conn,
                             transport::Incoming&& msg) {
+  if (msg.channel >= follow.slots.size()) {
+    log->error("server {} sent on channel {}; closing the connection", server, msg.channel);
+    conn.close();
+    return;
+  }
+  auto& slot = follow.slots[msg.channel];
+  if (slot) {
+    const proto::Header h = *slot;
+    slot.reset();
+    if (msg.bytes.size() != proto::tensor_bytes(h)) {
+      log->error("server {}: {} announced {} bytes, the next message has {}; closing the connection",
+                 server, proto::describe(h), proto::tensor_bytes(h), msg.bytes.size());
+      conn.close();
+      return;
+    }
+    handle_reply(server, h, msg.bytes);
+    return;
+  }
   auto decoded = proto::decode(msg.bytes);
   if (!decoded || !decoded->header.is_reply()) {
     log->error("server {} sent a bad message ({}); closing the connection", server,
@@ -452,23 +478,31 @@ void Worker::Impl::on_reply(std::uint32_t server, std::uint64_t /*gen*/, transpo
     conn.close();
     return;
   }
-  const proto::MessageView& m = *decoded;
-  const proto::Header& h = m.header;
+  if ((decoded->header.flags & proto::kFlagPayloadFollows) != 0) {
+    slot = decoded->header;
+    return;
+  }
+  handle_reply(server, decoded->header, decoded->payload);
+}
+
+void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
+                                std::span<const std::byte> payload) {
   auto req = pending.take(h.request_id);
   if (!req) return;  // timed out earlier: dropped
   Op& op = *req->op;
   if (h.status != ErrorCode::kOk) {
-    op.fail(Error(h.status, fmt::format("server {}: {}", server, m.text())));
+    const std::string_view text(reinterpret_cast<const char*>(payload.data()), payload.size());
+    op.fail(Error(h.status, fmt::format("server {}: {}", server, text)));
     return;
   }
   switch (h.type) {
     case proto::MsgType::kPull:
     case proto::MsgType::kPushPull:
     case proto::MsgType::kJoin: {
-      if (m.payload.size() != req->dest_bytes) {
+      if (payload.size() != req->dest_bytes) {
         op.fail(Error(ErrorCode::kProtocol,
                       fmt::format("server {}: {} carries {} bytes, expected {}", server,
-                                  proto::describe(h), m.payload.size(), req->dest_bytes)));
+                                  proto::describe(h), payload.size(), req->dest_bytes)));
         return;
       }
       {
@@ -476,7 +510,7 @@ void Worker::Impl::on_reply(std::uint32_t server, std::uint64_t /*gen*/, transpo
         // The one copy of a pull: receive buffer → the caller's tensor. Skipped
         // when the operation already finished (timeout): the caller may have
         // reused the memory.
-        if (!op.done && req->dest_bytes > 0) std::memcpy(req->dest, m.payload.data(), req->dest_bytes);
+        if (!op.done && req->dest_bytes > 0) std::memcpy(req->dest, payload.data(), req->dest_bytes);
       }
       op.complete_part(h.step);
       return;

@@ -157,9 +157,14 @@ Status check_request(const MessageView& m) {
 Status check_reply(const MessageView& m) {
   const Header& h = m.header;
   const std::size_t n = m.payload.size();
-  if (h.ndim != 0 || (h.flags & (kFlagNoData | kFlagPayloadFollows)) != 0) {
+  if (h.ndim != 0 || (h.flags & kFlagNoData) != 0) {
+    return make_error(ErrorCode::kMalformedFrame, "{}: reply with a shape or a no-data flag",
+                      describe(h));
+  }
+  if ((h.flags & kFlagPayloadFollows) != 0 &&
+      (h.status != ErrorCode::kOk || (h.type != MsgType::kPull && h.type != MsgType::kPushPull))) {
     return make_error(ErrorCode::kMalformedFrame,
-                      "{}: reply with a shape, a no-data or a payload-follows flag", describe(h));
+                      "{}: payload-follows flag on a reply without tensor data", describe(h));
   }
   if (h.status != ErrorCode::kOk) {
     if (h.dtype != DType::kNone) {

@@ -87,10 +87,11 @@ constexpr bool is_tensor_dtype(DType dtype) noexcept {
 // Flag bits (WireHeader::flags).
 inline constexpr std::uint8_t kFlagReply = 0x01;   // a reply to request `request_id`
 inline constexpr std::uint8_t kFlagNoData = 0x02;  // init without values: wait for rank 0's
-// Requests with tensor data (init, push, push_pull) only: the payload is not
-// inline but is the next message on the same channel, exactly
-// num_elements * dtype bytes long. Lets a worker send a chunk straight from
-// its buffer (a transport Buffer over the chunk) without a header in front.
+// Messages with tensor data only (init, push and push_pull requests; pull
+// and push_pull replies): the payload is not inline but is the next message
+// on the same channel, exactly num_elements * dtype bytes long. Lets a sender
+// send a chunk straight from its buffer (a transport Buffer over exactly the
+// chunk) without a header in front.
 inline constexpr std::uint8_t kFlagPayloadFollows = 0x04;
 inline constexpr std::uint8_t kKnownFlags = kFlagReply | kFlagNoData | kFlagPayloadFollows;
 

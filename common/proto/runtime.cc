@@ -2,6 +2,7 @@
 #include "common/proto/runtime.h"
 
 #include "common/base/logging.h"
+#include "common/transport/rdma/device.h"
 
 namespace ember::proto {
 namespace {
@@ -32,14 +33,14 @@ Result<transport::Options> transport_options(const config::Config& config) {
   switch (c.transport) {
     case config::Transport::kTcp: o.kind = transport::Kind::kTcp; break;
     case config::Transport::kShm: o.kind = transport::Kind::kShm; break;
-    case config::Transport::kRdma:
-      return make_error(ErrorCode::kConfig,
-                        "communication.transport = \"rdma\" is not available yet; use \"tcp\", "
-                        "or \"shm\" when workers and servers share a host");
+    case config::Transport::kRdma: o.kind = transport::Kind::kRdma; break;
     case config::Transport::kAuto: {
       bool all_local = true;
       for (const auto& s : config.cluster.servers) all_local = all_local && is_loopback(s.host);
-      o.kind = all_local ? transport::Kind::kShm : transport::Kind::kTcp;
+      const transport::rdma::AutoChoice choice =
+          transport::rdma::choose_auto(all_local, transport::rdma::probe_rdma());
+      o.kind = choice.kind;
+      log::logger("transport")->info("{}", choice.reason);
       break;
     }
   }

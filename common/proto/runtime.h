@@ -18,11 +18,12 @@
 
 namespace ember::proto {
 
-// Transport options from config: kind (tcp/shm; "auto" picks shm when every
-// server is on a loopback address, else tcp; "rdma" is refused until it
-// exists), batching, channels (resolved_num_channels), I/O threads and their
-// CPUs, heartbeats, sizes, auth token. `connect_timeout` comes from
-// [worker]. Errors: kConfig for transport = "rdma".
+// Transport options from config: kind (tcp/shm/rdma; "auto" picks shm when
+// every server is on a loopback address, else rdma when an RDMA device has an
+// active port, else tcp, and logs why: transport::rdma::choose_auto),
+// batching, channels (resolved_num_channels), I/O threads and their CPUs,
+// heartbeats, sizes, auth token. `connect_timeout` comes from [worker].
+// "rdma" without a device fails later, in Transport::create (kUnavailable).
 [[nodiscard]] Result<transport::Options> transport_options(const config::Config& config);
 
 // The page pool of [communication] (prealloc_pages, pool_backing), named

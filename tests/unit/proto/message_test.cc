@@ -120,7 +120,15 @@ TEST(Proto, PayloadFollowsHasNoInlinePayload) {
   Header pull = push_header(1);
   pull.type = MsgType::kPull;
   pull.flags = kFlagPayloadFollows;
-  EXPECT_FALSE(decode(encode_message(pull, {}, {})));
+  EXPECT_FALSE(decode(encode_message(pull, {}, {})));  // a pull request has no data
+  Header reply = reply_header(pull);
+  reply.dtype = DType::kFloat32;
+  reply.num_elements = 1000;
+  reply.flags |= kFlagPayloadFollows;
+  EXPECT_TRUE(decode(encode_message(reply, {}, {})));  // its reply may
+  Header ack = reply_header(push_header(1));
+  ack.flags |= kFlagPayloadFollows;
+  EXPECT_FALSE(decode(encode_message(ack, {}, {})));   // a push ack may not
 }
 
 TEST(Proto, JoinBodiesRoundTrip) {
