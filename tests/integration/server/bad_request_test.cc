@@ -2,6 +2,10 @@
 // transport with hand-made messages): each class gets its error reply, or a
 // closed connection for that worker only, while a well-behaved worker
 // carries on. Also: --check-config on bad files, --print-config, metrics.
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 
 #include <condition_variable>
@@ -320,6 +324,47 @@ TEST(ServerCli, PrintConfigShowsTheEffectiveConfigWithOverrides) {
   EXPECT_EQ(cfg->optimizer.type, config::OptimizerType::kAdam);
   ASSERT_TRUE(cfg->server.listen);
   EXPECT_EQ(cfg->server.listen->port, 9999);
+}
+
+// systemd Type=notify: READY=1 once listening, WATCHDOG=1 at half of
+// WATCHDOG_USEC, STOPPING=1 on SIGTERM. The test plays systemd's part with a
+// datagram socket named by NOTIFY_SOCKET.
+TEST(ServerCli, NotifiesSystemdReadyWatchdogAndStopping) {
+  TempDir dir;
+  const std::string sock_path = (dir / "notify.sock").string();
+  const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::strncpy(sa.sun_path, sock_path.c_str(), sizeof sa.sun_path - 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ::setenv("NOTIFY_SOCKET", sock_path.c_str(), 1);
+  ::setenv("WATCHDOG_USEC", "200000", 1);
+  ClusterSpec spec;
+  auto server = std::make_unique<ServerProcess>(dir, spec, 0);
+  ::unsetenv("NOTIFY_SOCKET");
+  ::unsetenv("WATCHDOG_USEC");
+  ASSERT_TRUE(server->ok());
+  auto next = [&]() -> std::string {
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, 10000) <= 0) return "";
+    char buf[512];
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "";
+  };
+  std::string got = next();
+  EXPECT_NE(got.find("READY=1"), std::string::npos) << got;
+  bool watchdog = false;
+  for (int i = 0; i < 20 && !watchdog; ++i) watchdog = next().find("WATCHDOG=1") != std::string::npos;
+  EXPECT_TRUE(watchdog);
+  server->process().signal(SIGTERM);
+  bool stopping = false;
+  for (int i = 0; i < 40 && !stopping; ++i) stopping = next().find("STOPPING=1") != std::string::npos;
+  EXPECT_TRUE(stopping);
+  auto status = server->process().wait_exit();
+  ASSERT_TRUE(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+  ::close(fd);
 }
 
 TEST(ServerMetrics, EndpointServesPrometheusText) {
