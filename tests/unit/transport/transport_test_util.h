@@ -147,7 +147,7 @@ struct Inbox {
   std::optional<Error> closed;
   int closed_count = 0;
   bool check_pattern_bytes = true;
-  // Called for each message (on the I/O thread) after recording, if set.
+  // Called for each message (on the I/O thread) before it is recorded, if set.
   std::function<void(Connection&, Incoming&)> also;
 
   Handlers handlers() {
@@ -160,13 +160,16 @@ struct Inbox {
         index = sizes[m.channel].size();
       }
       if (check_pattern_bytes) ok = !check_pattern(m.bytes, m.channel, index).has_value();
+      const std::size_t size = m.bytes.size();
+      const bool is_large = m.is_large();
+      // Before recording: a test that saw the count also sees what `also` did.
+      if (also) also(c, m);
       {
         std::lock_guard lock(mu);
-        sizes[m.channel].push_back(m.bytes.size());
+        sizes[m.channel].push_back(size);
         intact[m.channel].push_back(ok);
-        large[m.channel].push_back(m.is_large());
+        large[m.channel].push_back(is_large);
       }
-      if (also) also(c, m);
       cv.notify_all();
     };
     h.on_closed = [this](Connection&, const Error& e) {
