@@ -186,8 +186,10 @@ field() {  # field LINE KEY: the value of KEY=value in LINE
 }
 percent() { awk -v x="$1" 'BEGIN { printf "%.1f%%", x * 100 }'; }
 less_than() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a < b) }'; }
-# One bar per epoch, following the slowest worker.
+# One bar per epoch, following the slowest worker; on a terminal it is
+# redrawn in place ($cr returns to the start and clears the line).
 shown_epoch=1
+cr=""; [[ -t 1 ]] && cr=$'\r\e[K'
 render() {
   local final=${1:-0} e s_min=-1 total=0 loss="" line r log
   for ((r = 0; r < workers; r++)); do
@@ -209,15 +211,15 @@ render() {
   done
   if ((done_all)); then
     line=$(grep -a "^epoch $shown_epoch/" "$run_dir/worker-0.log" | tail -n 1)
-    printf '\r  epoch %d/%d [%s] %s steps  loss %s  test accuracy%s  %s samples/s/worker  comm %s\n' \
-      "$shown_epoch" "$epochs" "$(bar 1 1 30)" "$(field "$line" steps)" "$(field "$line" train_loss)" \
+    printf '%s  epoch %d/%d [%s] %s steps  loss %s  test accuracy%s  %s samples/s/worker  comm %s\n' \
+      "$cr" "$shown_epoch" "$epochs" "$(bar 1 1 30)" "$(field "$line" steps)" "$(field "$line" train_loss)" \
       "$accs" "$(field "$line" samples_per_s)" "$(percent "$(field "$line" comm_share)")"
     shown_epoch=$((shown_epoch + 1))
     ((shown_epoch <= epochs)) && render "$final"
     return 0
   fi
   if [[ -t 1 ]] && ((total > 0)); then
-    printf '\r  epoch %d/%d [%s] %d/%d steps  loss %s ' "$shown_epoch" "$epochs" \
+    printf '\r\e[K  epoch %d/%d [%s] %d/%d steps  loss %s' "$shown_epoch" "$epochs" \
       "$(bar "$s_min" "$total" 30)" "$s_min" "$total" "${loss:--}"
   fi
 }
