@@ -53,6 +53,26 @@ constexpr std::uint32_t kLoggedErrorsPerConnection = 8;
 // Ranks with their own step gauge.
 constexpr std::uint32_t kMaxRankGauges = 256;
 
+// Channels this (shard or control) thread sent on since its last flush.
+struct Dirty {
+  std::shared_ptr<transport::Connection> conn;
+  std::uint32_t channel = 0;
+};
+thread_local std::vector<Dirty> t_dirty;
+
+void mark_dirty(const std::shared_ptr<transport::Connection>& conn, std::uint32_t channel) {
+  for (const Dirty& d : t_dirty) {
+    if (d.conn == conn && d.channel == channel) return;
+  }
+  t_dirty.push_back(Dirty{conn, channel});
+}
+
+// Sends the open batches of every channel this thread wrote to.
+void flush_dirty() {
+  for (const Dirty& d : t_dirty) (void)d.conn->flush(d.channel);
+  t_dirty.clear();
+}
+
 struct ConnState {
   std::uint64_t id = 0;
   std::shared_ptr<transport::Connection> conn;
@@ -328,6 +348,7 @@ Status Server::Impl::init(const config::Config& cfg) {
     hooks.send_raw = [this](const ReplyTo& to, std::span<const std::byte> bytes) {
       send_raw(to, bytes);
     };
+    hooks.after_batch = [] { flush_dirty(); };
     EMBER_ASSIGN_OR_RETURN(auto shard, Shard::create(std::move(so), *optimizer, std::move(hooks)));
     shards.push_back(std::move(shard));
   }
@@ -504,6 +525,7 @@ void Server::Impl::send_raw(const ReplyTo& to, std::span<const std::byte> bytes)
   if (Status s = c->conn->send(to.channel, bytes); !s) {
     log->debug("message to worker {} not sent: {}", c->rank, s.error().to_string());
   }
+  mark_dirty(c->conn, to.channel);
 }
 
 void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
@@ -540,6 +562,7 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     if (s) s = c->conn->send(to.channel, std::move(b));
   }
   if (!s) log->debug("reply to worker {} not sent: {}", c->rank, s.error().to_string());
+  mark_dirty(c->conn, to.channel);
 }
 
 void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::Header& h,
@@ -795,6 +818,7 @@ void Server::Impl::checkpoint_loop() {
         error(w.to, w.header, result.error());
       }
     }
+    flush_dirty();
     lock.lock();
     ckpt_local_result = result;
     ckpt_local_done = local_target;

@@ -91,10 +91,12 @@ void Shard::run() {
       core_.on_tick(Clock::now(), *hooks_.sink);
       if (barrier_) barrier_->on_tick(Clock::now(), *hooks_.sink);
     }
+    if (hooks_.after_batch) hooks_.after_batch();
     if (n == 0 && stopping_.load(std::memory_order_acquire)) {
       // Drain: everything queued before stop() is handled before exiting.
       while (ring_->consume(handle_item, 1024) != 0) {
       }
+      if (hooks_.after_batch) hooks_.after_batch();
       return;
     }
   }

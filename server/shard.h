@@ -93,6 +93,9 @@ struct ShardHooks {
   // Sends an already encoded message (replies made on I/O threads, which
   // must not wait for a channel's send lock).
   std::function<void(const ReplyTo& to, std::span<const std::byte> bytes)> send_raw;
+  // After each batch of items: the sink flushes what this thread queued
+  // (replies go out together, not one flush_interval later).
+  std::function<void()> after_batch;
 };
 
 class Shard {
