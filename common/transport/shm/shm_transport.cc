@@ -1587,7 +1587,6 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
     p->done = true;
     if (p->timer) p->timer->cancel();
     p->timer.reset();
-    boost::system::error_code ec;
     const int fd = p->sock->release();
     p->sock.reset();
     const std::shared_ptr<Pending> keep = p;
