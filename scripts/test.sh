@@ -53,7 +53,9 @@ ctest "${ctest_args[@]}"
 
 if ((fuzz)) && [[ $preset == dev && -z $label ]]; then
   echo "== libFuzzer targets (clang, fuzz preset)"
-  cmake --preset fuzz -DEMBER_WERROR=ON -DEMBER_FUZZ_SECONDS="${EMBER_FUZZ_SECONDS:-15}" >/dev/null
+  # -Werror is the gcc dev build's gate; clang 14 warns differently (e.g. on
+  # rdma-core's mixed enum flags) and that must not stop the fuzz runs.
+  cmake --preset fuzz -DEMBER_WERROR=OFF -DEMBER_FUZZ_SECONDS="${EMBER_FUZZ_SECONDS:-15}" >/dev/null
   cmake --build build/fuzz -j "$jobs" --target ember_fuzzers
   ctest --test-dir build/fuzz --output-on-failure -L fuzz
 fi
