@@ -240,6 +240,49 @@ TEST(CapiServer, BspRequestIsPendingUntilTheOtherWorkerPushes) {
   }
 }
 
+TEST(CapiServer, ConcurrentAsyncOperationsOnKeysOfDifferentSizes) {
+  // A batch-sized tensor (1000 floats, just under batch_threshold), a tiny
+  // one and a large one (196 KiB, sent alone) in flight at once.
+  TempDir dir;
+  ClusterSpec spec;
+  spec.learning_rate = 0.5;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  ember_worker* w = create_worker(dir, spec, {server.address()}, 0);
+  ASSERT_NE(w, nullptr);
+  WorkerGuard guard{w};
+  const std::size_t sizes[] = {1000, 10, 784 * 64};
+  std::vector<std::vector<float>> params, grads, outs;
+  for (std::size_t k = 0; k < 3; ++k) {
+    params.emplace_back(sizes[k], static_cast<float>(k));
+    grads.emplace_back(sizes[k], 2.0f);
+    outs.emplace_back(sizes[k], -1.0f);
+    const uint64_t shape[] = {sizes[k]};
+    ASSERT_EQ(ember_init(w, k + 1, shape, 1, params[k].data(), sizes[k], nullptr), EMBER_OK)
+        << last();
+  }
+  for (int round = 0; round < 5; ++round) {
+    ember_request* reqs[3] = {};
+    for (std::size_t k = 0; k < 3; ++k) {
+      ASSERT_EQ(ember_push_pull_async(w, k + 1, grads[k].data(), outs[k].data(), sizes[k],
+                                      &reqs[k]),
+                EMBER_OK)
+          << last();
+    }
+    for (std::size_t k = 0; k < 3; ++k) {
+      uint64_t step = 0;
+      ASSERT_EQ(ember_wait(reqs[k], EMBER_WAIT_FOREVER, &step), EMBER_OK)
+          << "round " << round << " key " << k + 1 << ": " << last();
+      EXPECT_EQ(step, static_cast<uint64_t>(round + 1));
+      ember_request_free(reqs[k]);
+      for (std::size_t i = 0; i < sizes[k]; i += 97) {
+        ASSERT_FLOAT_EQ(outs[k][i], static_cast<float>(k) - 1.0f * static_cast<float>(round + 1))
+            << k << " " << i;
+      }
+    }
+  }
+}
+
 TEST(CapiServer, PipelineBatchesManySmallTensors) {
   TempDir dir;
   ClusterSpec spec;
