@@ -160,3 +160,18 @@ def test_server_gone_is_an_error(start_server):
         with pytest.raises(ember.EmberError) as info:
             w.push_pull(1, np.ones(8))
         assert info.value.code in (ember.E_CLOSED, ember.E_IO, ember.E_TIMEOUT)
+
+
+def test_library_not_found_is_a_clear_import_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, EMBER_LIB=str(tmp_path / "libember.so.0"),
+               PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(__file__))))
+    out = subprocess.run([sys.executable, "-c", "import ember"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0
+    assert "ImportError" in out.stderr
+    assert "cannot load libember.so" in out.stderr
+    assert str(tmp_path / "libember.so.0") in out.stderr
+    assert "EMBER_LIB" in out.stderr
