@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <thread>
@@ -192,6 +193,10 @@ TEST(CapiServer, WrongKeysAndSizesAreCodesWithMessages) {
   ember_request_free(req);
   for (float x : out) EXPECT_FLOAT_EQ(x, 1.0f);
 
+  // No [server] checkpoint_dir on this server.
+  EXPECT_EQ(ember_checkpoint(w, nullptr), EMBER_E_CONFIG) << last();
+  EXPECT_THAT(last(), HasSubstr("checkpoint"));
+
   // The worker still works after all that.
   ASSERT_EQ(ember_push_pull(w, 1, v.data(), out.data(), 4, &step), EMBER_OK) << last();
 }
@@ -281,6 +286,26 @@ TEST(CapiServer, ConcurrentAsyncOperationsOnKeysOfDifferentSizes) {
       }
     }
   }
+}
+
+TEST(CapiServer, CheckpointWritesOnEveryServer) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.checkpoint_dir = (dir / "ckpt").string();
+  std::filesystem::create_directories(spec.checkpoint_dir);
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  ember_worker* w = create_worker(dir, spec, {server.address()}, 0);
+  ASSERT_NE(w, nullptr);
+  WorkerGuard guard{w};
+  std::vector<float> v(16, 1.0f);
+  const uint64_t shape[] = {16};
+  ASSERT_EQ(ember_init(w, 1, shape, 1, v.data(), 16, nullptr), EMBER_OK) << last();
+  uint64_t first = 0, second = 0;
+  ASSERT_EQ(ember_checkpoint(w, &first), EMBER_OK) << last();
+  ASSERT_EQ(ember_checkpoint(w, &second), EMBER_OK) << last();
+  EXPECT_GT(second, first);
+  EXPECT_FALSE(std::filesystem::is_empty(spec.checkpoint_dir));
 }
 
 TEST(CapiServer, PipelineBatchesManySmallTensors) {
