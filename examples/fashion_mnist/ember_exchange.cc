@@ -116,7 +116,14 @@ Status EmberExchange::finish_step(std::uint64_t step) {
 Status EmberExchange::finish_epoch(std::uint32_t epoch) {
   const Result<std::uint64_t> r = worker_->barrier().wait();
   if (!r) return with_context(r.error(), fmt::format("barrier after epoch {}", epoch));
-  return ok_status();
+  // Every worker's pushes of the epoch are in: fetch the parameters that
+  // include them all, so that every worker evaluates the same model (under
+  // asp and ssp a worker's last reply predates the others' last pushes;
+  // under bsp this returns the bytes already here).
+  for (const Parameter& p : tensors_) {
+    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name});
+  }
+  return drain(fmt::format("pull after epoch {}", epoch), 0);
 }
 
 }  // namespace ember::fashion_mnist

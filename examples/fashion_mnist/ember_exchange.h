@@ -19,8 +19,9 @@
 //   again before the next forward: mlp.h's overlap contract).
 //   finish_step(s) waits for every reply of the step.
 // Per epoch, finish_epoch(): a barrier, so that every worker has finished
-// the epoch's pushes before anyone evaluates or leaves (matters under asp and
-// ssp, where workers drift apart; cheap under bsp).
+// the epoch's pushes before anyone evaluates or leaves, then a pull of every
+// tensor, so that every worker evaluates the same parameters (matters under
+// asp and ssp, where workers drift apart; cheap under bsp: once per epoch).
 //
 // Steps. The Trainer counts steps from 0; the worker client counts pushes per
 // key from the step the servers report at init (0 for a fresh job). A server
@@ -101,7 +102,9 @@ class EmberExchange final : public GradientExchange {
   // when a reply says the server is behind the step just pushed.
   Status finish_step(std::uint64_t step) override;
 
-  // Barrier. Errors: the barrier's (kWorkerLost, kTimeout, kClosed).
+  // Barrier, then a pull of every tensor into its value buffer. Blocks.
+  // Errors: the barrier's and the pulls' (kWorkerLost, kTimeout, kClosed),
+  // naming the epoch (and the tensor).
   Status finish_epoch(std::uint32_t epoch) override;
 
   // Tensors registered by start() (2 per layer).

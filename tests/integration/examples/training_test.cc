@@ -8,12 +8,12 @@
 // bsp averaging and momentum SGD) is the demo's.
 //
 // Covered: a short bsp run learns (loss falls, accuracy rises above a floor,
-// both workers end with the same model); bsp with 2 workers gives the
-// parameters of one process trained with the doubled batch (the sampler
-// makes the samples identical; only float summation order differs); every
-// failure is a clear message and a non-zero exit: server absent, server
-// killed mid-training, a worker lost, a server holding an earlier job, a bad
-// rank.
+// both workers end with the same model, also under asp); bsp with 2 workers
+// gives the parameters of one process trained with the doubled batch (the
+// sampler makes the samples identical; only float summation order differs);
+// every failure is a clear message and a non-zero exit: server absent,
+// server killed mid-training, a worker lost, a server holding an earlier job,
+// a bad rank.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -115,7 +115,7 @@ class FmnistJob : public ::testing::Test {
   // demo's), a lost worker fails the round at once. The server address is a
   // placeholder: the server listens on a free port (--listen :0) and the
   // workers get the real one with --set.
-  std::string write_config(std::uint32_t num_workers, const std::string& extra_server = "") {
+  std::string write_config(std::uint32_t num_workers, const std::string& consistency = "bsp") {
     const std::string p = path(fmt::format("job-{}.toml", configs_++));
     std::ofstream f(p);
     f << "[communication]\n"
@@ -127,10 +127,9 @@ class FmnistJob : public ::testing::Test {
          "servers = [\"127.0.0.1:1\"]\n"
       << "num_workers = " << num_workers << "\n"
       << "[server]\n"
-         "consistency = \"bsp\"\n"
-         "on_worker_loss = \"fail\"\n"
-      << extra_server
-      << "[optimizer]\n"
+      << "consistency = \"" << consistency << "\"\n"
+      << "on_worker_loss = \"fail\"\n"
+         "[optimizer]\n"
          "type = \"momentum\"\n"
          "learning_rate = 0.05\n"
          "momentum = 0.9\n"
@@ -306,6 +305,32 @@ TEST_F(FmnistJob, BspTwoWorkersMatchOneProcessWithTheDoubledBatch) {
   EXPECT_GT(step_diff, 50 * kTolerance);
   std::printf("max |ember - one process| = %.3g, one step = %.3g\n", diff, step_diff);
 
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
+}
+
+TEST_F(FmnistJob, AspWorkersEvaluateTheSameFinalModel) {
+  // Under asp each push is applied on arrival, so a worker's last reply
+  // predates the other's last pushes; the end of an epoch (barrier, then a
+  // pull) must still leave every worker with the final parameters.
+  const std::string config = write_config(2, "asp");
+  auto server = start_server(config);
+  ASSERT_NE(server, nullptr);
+  auto args = [&](int rank) {
+    return std::vector<std::string>{"--epochs", "1", "--max-steps-per-epoch", "30",
+                                    "--progress-every", "0", "--save-params",
+                                    path(fmt::format("params-{}.bin", rank))};
+  };
+  auto w0 = start_worker(config, 0, args(0));
+  auto w1 = start_worker(config, 1, args(1));
+  ASSERT_EQ(w0->wait_exit(kRunTimeout), 0) << describe(*w0);
+  ASSERT_EQ(w1->wait_exit(kRunTimeout), 0) << describe(*w1);
+  const std::vector<float> p0 = read_floats(path("params-0.bin"));
+  ASSERT_FALSE(p0.empty());
+  EXPECT_EQ(p0, read_floats(path("params-1.bin")));
+  EXPECT_EQ(field(lines_with(*w0, "RESULT ")[0], "consistency"), "asp");
+  EXPECT_EQ(field(lines_with(*w0, "RESULT ")[0], "test_accuracy"),
+            field(lines_with(*w1, "RESULT ")[0], "test_accuracy"));
   server->signal(SIGTERM);
   EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
 }
