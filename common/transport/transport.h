@@ -73,7 +73,8 @@ std::string_view kind_name(Kind kind) noexcept;  // "tcp", "shm", "rdma"
 // How tcp sends a large message from pool memory.
 enum class ZeroCopy : std::uint8_t {
   kWritev = 1,    // one gathered write of header + payload (default: measured faster on loopback)
-  kSendfile = 2,  // header with write(), payload with sendfile() from the memfd
+  kSendfile = 2,  // header with write(), payload with sendfile() from the memfd (payloads of
+                  // 256 KiB and more; smaller ones still go with one gathered write)
 };
 std::string_view zero_copy_name(ZeroCopy mode) noexcept;  // "writev", "sendfile"
 

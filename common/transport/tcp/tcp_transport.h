@@ -6,8 +6,8 @@
 // small-message path) and sent when the batch is full, when flush_interval
 // passes, or at flush(); a large message is one kSingle frame written with a
 // gathered write of [frame prefix, payload, padding] straight from the
-// caller's Buffer (or with sendfile() from its memfd when zero_copy =
-// sendfile). Heartbeats and the goodbye of an orderly close are control items
+// caller's Buffer (or, when zero_copy = sendfile and the payload is at least
+// 256 KiB, with sendfile() from its memfd). Heartbeats and the goodbye of an orderly close are control items
 // (common/transport/control.h) in the same stream.
 //
 // Writing: whoever makes a frame ready (a sending thread, or the channel's
