@@ -120,6 +120,11 @@ void Optimizer::apply(std::span<float> params, std::span<const float> grad,
 
   switch (config_.type) {
     case config::OptimizerType::kSgd:
+      if (config_.weight_decay == 0.0) {
+        // Same result as below (g + 0 * p == g for finite p), one load less.
+        for (std::size_t i = 0; i < n; ++i) p[i] -= lr * g[i];
+        return;
+      }
       for (std::size_t i = 0; i < n; ++i) {
         const float gi = g[i] + wd * p[i];
         p[i] -= lr * gi;

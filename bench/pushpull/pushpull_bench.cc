@@ -473,6 +473,10 @@ int main(int argc, char** argv) {
   int reps = 3;
   int steps = 3;
   bool quick = false;
+  std::vector<std::string> sections{"resnet", "tiny", "sweep"};
+  std::vector<std::string> transports{"tcp", "shm"};
+  app.add_option("--sections", sections, "sections to run: resnet tiny sweep")->capture_default_str();
+  app.add_option("--transports", transports, "transports to run: tcp shm")->capture_default_str();
   app.add_option("--reps", reps, "interleaved repetitions (medians reported)")->capture_default_str();
   app.add_option("--steps", steps, "ResNet-50 steps per repetition")->capture_default_str();
   app.add_flag("--quick", quick, "smaller run: 1 rep, 2 steps, sweep up to 64 MiB");
@@ -482,7 +486,9 @@ int main(int argc, char** argv) {
     steps = 2;
   }
   ember::log::init_program_logging("warn");
-  const std::vector<std::string> transports{"tcp", "shm"};
+  auto wanted = [&](const char* name) {
+    return std::find(sections.begin(), sections.end(), name) != sections.end();
+  };
 
   // ---- 1. ResNet-50 ----
   const auto shapes = resnet50_shapes();
@@ -494,7 +500,7 @@ int main(int argc, char** argv) {
               shapes.size(), total, grad_bytes / 1e6);
   std::fflush(stdout);
   std::map<std::string, std::vector<double>> step_s;
-  {
+  if (wanted("resnet")) {
     std::map<std::string, std::unique_ptr<ResnetRun>> runs;
     for (const auto& t : transports) {
       auto run = std::make_unique<ResnetRun>();
@@ -529,7 +535,7 @@ int main(int argc, char** argv) {
   // ---- 2. tiny keys ----
   std::printf("\n== 10,000 keys of 64 bytes; 2 workers, BSP, push_pull of every key per step\n");
   std::map<std::string, std::vector<double>> tiny_s;
-  {
+  if (wanted("tiny")) {
     std::map<std::string, std::unique_ptr<Cluster>> clusters;
     std::map<std::string, TinyRun> tiny;
     for (const auto& t : transports) {
@@ -568,7 +574,7 @@ int main(int argc, char** argv) {
   std::printf("\n== one key, push then pull; 1 worker; serial and 8 in flight\n");
   std::map<std::string, std::map<std::size_t, std::vector<SweepResult>>> sweep;
   std::map<std::string, std::vector<double>> ops4k;
-  {
+  if (wanted("sweep")) {
     std::map<std::string, SweepRun> runs;
     for (const auto& t : transports) {
       if (!runs[t].setup(t, sizes)) runs.erase(t);
