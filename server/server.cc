@@ -559,7 +559,11 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
         proto::allocate_buffer(*pool, payload.size(), region_id.load(std::memory_order_acquire));
     std::memcpy(b.data(), payload.data(), payload.size());
     s = c->conn->send(to.channel, hb);
-    if (s) s = c->conn->send(to.channel, std::move(b));
+    if (s) {
+      s = c->conn->send(to.channel, std::move(b));
+      // The header went out without its payload: the channel is out of step.
+      if (!s) c->conn->close();
+    }
   }
   if (!s) log->debug("reply to worker {} not sent: {}", c->rank, s.error().to_string());
   mark_dirty(c->conn, to.channel);

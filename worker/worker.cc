@@ -587,7 +587,12 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now) {
       }
     });
     // On error the payload was released and the completion will not run.
-    if (!s) return fail(s.error());
+    // The header went out: the server now takes the next message on this
+    // channel as its payload, so the connection cannot be used any more.
+    if (!s) {
+      c.close();
+      return fail(s.error());
+    }
   }
   if (flush_now) (void)c.flush(o.channel);
 }
