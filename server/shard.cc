@@ -48,9 +48,33 @@ Shard::~Shard() {
 void Shard::start() { thread_ = std::thread([this] { run(); }); }
 
 void Shard::post(ShardItem&& item) {
-  // A full lane: the consumer is behind. Yield until it makes room (this is
-  // the back-pressure that slows the connection feeding this lane).
-  while (!ring_->try_push(std::move(item))) std::this_thread::yield();
+  // acquire pairs with the release in drain_overflow(): once the shard has
+  // emptied the list, earlier overflow items are handled before ring items.
+  if (overflow_count_.load(std::memory_order_acquire) == 0 && ring_->try_push(std::move(item))) {
+    return;
+  }
+  {
+    std::lock_guard lock(overflow_mutex_);
+    overflow_.push_back(std::move(item));
+    overflow_count_.fetch_add(1, std::memory_order_release);
+  }
+  ring_->wake();
+}
+
+std::size_t Shard::drain_overflow() {
+  if (overflow_count_.load(std::memory_order_acquire) == 0) return 0;
+  // Everything a producer put in the ring before it overflowed comes first.
+  auto handle_item = [this](ShardItem& item) { handle(item); };
+  while (ring_->consume(handle_item, 1024) != 0) {
+  }
+  std::deque<ShardItem> items;
+  {
+    std::lock_guard lock(overflow_mutex_);
+    items.swap(overflow_);
+    overflow_count_.store(0, std::memory_order_release);
+  }
+  for (ShardItem& item : items) handle(item);
+  return items.size();
 }
 
 void Shard::stop() {
@@ -86,7 +110,10 @@ void Shard::run() {
       timeout = std::max<std::chrono::nanoseconds>(std::chrono::nanoseconds(0),
                                                     std::min(timeout, *deadline - now));
     }
-    const std::size_t n = ring_->consume_wait(handle_item, 64, timeout);
+    std::size_t n = overflow_count_.load(std::memory_order_acquire) != 0
+                        ? ring_->consume(handle_item, 64)
+                        : ring_->consume_wait(handle_item, 64, timeout);
+    n += drain_overflow();
     if (deadline && Clock::now() >= *deadline) {
       core_.on_tick(Clock::now(), *hooks_.sink);
       if (barrier_) barrier_->on_tick(Clock::now(), *hooks_.sink);
@@ -94,7 +121,7 @@ void Shard::run() {
     if (hooks_.after_batch) hooks_.after_batch();
     if (n == 0 && stopping_.load(std::memory_order_acquire)) {
       // Drain: everything queued before stop() is handled before exiting.
-      while (ring_->consume(handle_item, 1024) != 0) {
+      while (ring_->consume(handle_item, 1024) != 0 || drain_overflow() != 0) {
       }
       if (hooks_.after_batch) hooks_.after_batch();
       return;

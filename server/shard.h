@@ -18,6 +18,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -112,8 +113,12 @@ class Shard {
 
   void start();
 
-  // Queues an item; waits (yielding) while the caller's lane is full, which
-  // pushes back on the connection that produced it. Any thread.
+  // Queues an item. Never blocks: when the caller's lane is full the item
+  // goes to an overflow list (a mutex and a deque) that the shard drains
+  // after the ring, and every item after it goes there too until the shard
+  // has caught up, so each producer's order is kept. (Blocking an I/O thread
+  // here could deadlock: the shard may itself be waiting for that thread to
+  // drain a reply queue.) Any thread.
   void post(ShardItem&& item);
 
   // Asks the thread to finish: it handles every item already queued, then
@@ -131,12 +136,18 @@ class Shard {
         std::unique_ptr<ring::BlockingMpscRing<ShardItem>> ring);
   void run();
   void handle(ShardItem& item);
+  // Handles the ring's backlog and then the overflow list; returns the
+  // number of overflow items handled.
+  std::size_t drain_overflow();
 
   ShardOptions options_;
   ShardHooks hooks_;
   ShardCore core_;
   std::optional<BarrierCore> barrier_;
   std::unique_ptr<ring::BlockingMpscRing<ShardItem>> ring_;
+  std::mutex overflow_mutex_;
+  std::deque<ShardItem> overflow_;                 // guarded by overflow_mutex_
+  std::atomic<std::size_t> overflow_count_{0};     // > 0: producers append to overflow_
   std::atomic<bool> stopping_{false};
   std::thread thread_;
 };
