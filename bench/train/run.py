@@ -31,6 +31,7 @@ Binaries come from DIR (default build/release); scripts/bench.sh builds them
 import argparse
 import os
 import re
+import select
 import signal
 import socket
 import statistics
@@ -116,9 +117,11 @@ class Bench:
         server = subprocess.Popen([self.server, "--config", config], stdout=subprocess.PIPE,
                                   stderr=server_log, text=True)
         try:
-            ready = server.stdout.readline()  # blocks until the ready line or exit
+            # The ready line, or EOF when the server exits; 30 s at most.
+            readable, _, _ = select.select([server.stdout], [], [], 30)
+            ready = server.stdout.readline() if readable else ""
             if not ready.startswith("ember-server ready"):
-                raise RuntimeError(f"ember-server did not start; see {run_dir}/server.log")
+                raise RuntimeError(f"ember-server not ready within 30 s; see {run_dir}/server.log")
             launcher = subprocess.run(
                 [os.path.join(ROOT, "scripts", "launch_workers.sh"), "--workers", str(workers),
                  "--log-dir", run_dir, "--", self.worker, "--config", config, "--rank", "{rank}",
