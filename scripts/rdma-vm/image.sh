@@ -23,7 +23,8 @@ OUT=${EMBER_RDMA_VM_DIR:-$REPO/build/rdma-vm}
 # (rdma_rxe computes the RoCEv2 ICRC through the crypto API's "crc32", which
 # has no modules.dep edge, so crc32_generic is named here), the userspace
 # verbs/CM interfaces, the dummy netdev rxe binds to, and 9p over virtio.
-MODULES="crc32_generic rdma_rxe ib_uverbs rdma_ucm dummy virtio_pci 9pnet_virtio 9p"
+# crc32_pclmul is the faster "crc32" when the (emulated) CPU has PCLMULQDQ.
+MODULES="crc32_generic crc32_pclmul rdma_rxe ib_uverbs rdma_ucm dummy virtio_pci 9pnet_virtio 9p"
 
 reason=""
 need() { command -v "$1" >/dev/null 2>&1 || reason="${reason:+$reason; }$1 not found (${2})"; }

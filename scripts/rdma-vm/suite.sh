@@ -3,6 +3,7 @@
 # the Soft-RoCE guest (run.sh). Called at the end of scripts/test.sh.
 #
 #   scripts/rdma-vm/suite.sh [--no-build] [--timeout SECS] [-- CTEST_ARGS...]
+#   scripts/rdma-vm/suite.sh --configure-only   (bench/rdma/run.sh: just the build dir)
 #
 # The guest programs are built in build/rdma-guest (RelWithDebInfo,
 # -O2 -march=x86-64-v2: optimised, because the guest is emulated, and no CPU
@@ -19,13 +20,14 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 BUILD=$REPO/build/rdma-guest
-build=1; timeout_s=600
+build=1; timeout_s=600; configure_only=0
 while (($#)); do
   case "$1" in
     --no-build) build=0; shift ;;
+    --configure-only) configure_only=1; shift ;;
     --timeout) timeout_s="$2"; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "rdma-vm/suite.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -41,14 +43,15 @@ if ! pkg-config --exists libibverbs librdmacm 2>/dev/null; then
 fi
 
 # The targets behind the `rdma` tests (add new ones here).
-TARGETS=(rdma_transport_test rdma_test_peer)
+TARGETS=(rdma_transport_test rdma_test_peer ember-server fmnist-worker)
+if ((build || configure_only)) && [[ ! -f $BUILD/build.ninja ]]; then
+  cmake -S "$REPO" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS="-O2 -march=x86-64-v2" -DEMBER_WERROR=OFF -DEMBER_WITH_CUDA=OFF \
+    -DEMBER_WITH_RDMA=ON >/dev/null || exit 1
+fi
+((configure_only)) && exit 0
 if ((build)); then
   echo "rdma-vm: building ${TARGETS[*]} in $BUILD"
-  if [[ ! -f $BUILD/build.ninja ]]; then
-    cmake -S "$REPO" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DCMAKE_CXX_FLAGS="-O2 -march=x86-64-v2" -DEMBER_WERROR=OFF -DEMBER_WITH_CUDA=OFF \
-      -DEMBER_WITH_RDMA=ON -DEMBER_BUILD_BENCH=OFF >/dev/null || exit 1
-  fi
   cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}" || exit 1
 fi
 

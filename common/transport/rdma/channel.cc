@@ -63,6 +63,11 @@ constexpr auto kTeardownDrainLimit = std::chrono::seconds(2);
 // that may never come would be large, and one round trip is small beside
 // the transfer. (Parameter-server chunks are partition_bytes, a few MiB.)
 constexpr std::size_t kMaxRearmBytes = std::size_t{16} << 20;
+// Unsolicited slots a receiver keeps granted per channel: more than the
+// sender caches (kMaxCachedSlots), so a size that changes still gets a slot
+// while the sender's cache is full of the old size; the sender then evicts
+// (releases) the oldest, which bounds this side too.
+constexpr std::uint32_t kMaxRearmedSlots = 2 * kMaxCachedSlots;
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
@@ -275,6 +280,9 @@ void Channel::on_flush_timer() {
 
 void Channel::on_heartbeat_timer() {
   if (torn_down_ || !heartbeat_timer_) return;
+  // Backstop: poll even without a completion event, so a lost notification
+  // costs at most one heartbeat period, never a stall.
+  core_.pollers[io_index_]->kick();
   const Options& o = core_.options;
   const std::int64_t now = now_ns();
   if (now - last_rx_ns_ > o.heartbeat_timeout.count()) {
@@ -622,7 +630,7 @@ bool Channel::step_entry_locked(TxEntry& e, Deferred& d) {
   switch (e.kind) {
     case EntryKind::kBatch: {
       if (e.slot < 0) {
-        if (free_send_slots_.empty()) return false;
+        if (free_send_slots_.empty() && !reclaim_slot_locked()) return false;
         e.slot = free_send_slots_.back();
         free_send_slots_.pop_back();
         // Second copy, only under back-pressure: the batch was encoded while
@@ -694,7 +702,8 @@ bool Channel::step_entry_locked(TxEntry& e, Deferred& d) {
       return post_write_locked(e, d);
     case LargeState::kFragment: {
       const std::size_t total = e.payload.size();
-      while (credits_ > 0 && !free_send_slots_.empty() && !sq_full_locked()) {
+      while (credits_ > 0 && !sq_full_locked() &&
+             (!free_send_slots_.empty() || reclaim_slot_locked())) {
         const bool first = e.frag_offset == 0;
         const std::size_t header = first ? protocol::kFragHeaderBytes : 0;
         const std::size_t chunk = std::min<std::size_t>(geometry_.slot_bytes - header,
@@ -730,6 +739,35 @@ bool Channel::step_entry_locked(TxEntry& e, Deferred& d) {
     }
     case LargeState::kNew:
       break;
+  }
+  return false;
+}
+
+bool Channel::reclaim_slot_locked() {
+  // A send slot comes back when a posted SEND completes: wait for that.
+  for (const InFlight& f : in_flight_) {
+    if (f.send_slot >= 0) return false;
+  }
+  // None in flight: every slot belongs to a batch queued behind the head
+  // (which needs one: an overflow batch or a fragment). Without this, the
+  // head would wait for slots that only it can free. Move the last such
+  // batch out of its slot (a copy, on this rare path) and take the slot.
+  for (auto it = queue_.rbegin(); it != queue_.rend(); ++it) {
+    if (&*it == &queue_.front()) break;
+    if (it->kind != EntryKind::kBatch || it->slot < 0) continue;
+    std::unique_ptr<std::byte[]> buf;
+    if (!free_overflow_.empty()) {
+      buf = std::move(free_overflow_.back());
+      free_overflow_.pop_back();
+    } else {
+      buf = std::make_unique<std::byte[]>(geometry_.slot_bytes);
+    }
+    std::memcpy(buf.get(), it->frame, it->frame_bytes);
+    free_send_slots_.push_back(it->slot);
+    it->slot = -1;
+    it->frame = buf.get();
+    it->overflow = std::move(buf);
+    return true;
   }
   return false;
 }
@@ -780,6 +818,17 @@ bool Channel::arm() {
     return false;
   }
   return true;
+}
+
+std::string Channel::debug_state() {
+  std::lock_guard lock(mu_);
+  return fmt::format(
+      "ch{} io{}: credits {} owed {} sends_in_flight {} writes_in_flight {} queue {} ctrl {} "
+      "in_flight {} free_send_slots {} grants {} recvs_posted {} slots {} goodbye q/sent/recv "
+      "{}/{}/{} torn_down {} draining {}",
+      index_, io_index_, credits_, owed_, sends_in_flight_, writes_in_flight_, queue_.size(),
+      ctrl_queue_.size(), in_flight_.size(), free_send_slots_.size(), grants_.size(), recvs_posted_,
+      slots_.size(), goodbye_queued_, goodbye_sent_ok_, goodbye_received_, torn_down_, draining_);
 }
 
 std::uint64_t Channel::outstanding() const noexcept { return recvs_posted_ + sends_in_flight_; }
@@ -1023,7 +1072,7 @@ bool Channel::on_write(std::uint32_t slot_id, std::uint32_t bytes) {
   conn_->deliver(std::move(msg));
   // Re-arm: the next message of this size from the peer goes without a
   // rendezvous round trip (one key's pushes, or its pull replies).
-  if (!conn_->failing() && unsolicited_slots_ < kMaxCachedSlots && capacity <= kMaxRearmBytes) {
+  if (!conn_->failing() && unsolicited_slots_ < kMaxRearmedSlots && capacity <= kMaxRearmBytes) {
     Result<Buffer> next = allocate_receive(capacity);
     if (next) {
       (void)grant_slot(std::move(*next), /*unsolicited=*/true, 0, 0);

@@ -9,9 +9,11 @@
 // with an ACTIVE port, which, and if not, why not, in words for the log and
 // for the kUnavailable error of transport = "rdma".
 //
-// choose_auto() is the policy of transport = "auto" (config.h): rdma when a
-// device has an active port; otherwise shm for a peer on this host; otherwise
-// tcp. It is pure, so both branches are tested on any machine.
+// choose_auto() is the policy of transport = "auto": shm for a peer on this
+// host (it copies nothing; rdma would go through the device); otherwise rdma
+// when a device has an active port; otherwise tcp. The reason names the
+// device or says why there is none. Pure, so every branch is tested on any
+// machine.
 //
 // Thread-safety: probe functions open and close device contexts (blocking,
 // milliseconds; cold path) and may be called from any thread. In a build

@@ -158,6 +158,9 @@ class Channel final : public Pollable {
   void teardown();
   // Queues the goodbye (after everything queued), for an orderly close.
   void begin_goodbye();
+  // One line of internal state (credits, queues, posted work); any thread
+  // (RX fields are read racily: for diagnostics only).
+  std::string debug_state();
 
   // --- any thread ---
   Status send_small(std::span<const std::byte> bytes);
@@ -246,6 +249,9 @@ class Channel final : public Pollable {
   void enqueue_ctrl_locked(protocol::MsgType type, std::span<const std::byte> body);
   void maybe_send_credit_locked(Deferred& d);
   std::optional<protocol::GrantBody> take_cached_grant_locked(std::uint64_t size_bytes);
+  // Frees a send slot held by a batch queued behind the head when no posted
+  // SEND will return one; false when none could be freed.
+  bool reclaim_slot_locked();
   void add_cached_grant_locked(const protocol::GrantBody& g);
   bool sq_full_locked() const noexcept { return sends_in_flight_ >= geometry_.max_send_wr; }
   void run_deferred(Deferred& d);
@@ -366,6 +372,7 @@ class RdmaConnection final : public Connection {
   bool is_closed() const noexcept override { return closing_.load(std::memory_order_acquire); }
   ConnectionStats stats() const noexcept override;
   RdmaStats rdma_stats() const noexcept;
+  std::string debug_state();
 
   // --- used by Channel ---
   void fail(Error reason);

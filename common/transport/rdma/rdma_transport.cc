@@ -399,6 +399,12 @@ ConnectionStats RdmaConnection::stats() const noexcept {
   return s;
 }
 
+std::string RdmaConnection::debug_state() {
+  std::string out;
+  for (auto& ch : channels_) out += ch->debug_state() + "\n";
+  return out;
+}
+
 RdmaStats RdmaConnection::rdma_stats() const noexcept {
   RdmaStats s;
   s.sends_posted = sends_posted.load(std::memory_order_relaxed);
@@ -1134,6 +1140,11 @@ Result<std::unique_ptr<Transport>> create_rdma_transport(Options options) {
                    avail.detail, core->options.num_io_threads, core->geometry.recv_slots,
                    format_bytes(core->geometry.slot_bytes));
   return std::unique_ptr<Transport>(new RdmaTransport(std::move(core)));
+}
+
+std::string rdma_debug_state(Connection& connection) {
+  if (auto* c = dynamic_cast<detail::RdmaConnection*>(&connection)) return c->debug_state();
+  return "";
 }
 
 std::optional<RdmaStats> rdma_stats(const Connection& connection) {

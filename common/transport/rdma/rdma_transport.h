@@ -103,4 +103,9 @@ struct RdmaStats {
 // nullopt when `connection` was not made by the rdma transport.
 std::optional<RdmaStats> rdma_stats(const Connection& connection);
 
+// Per channel, one line of internal state (credits, queues, posted work
+// requests), for failure messages of tests and for debugging; "" for
+// another kind of Connection. Any thread; racy reads, diagnostics only.
+std::string rdma_debug_state(Connection& connection);
+
 }  // namespace ember::transport::rdma

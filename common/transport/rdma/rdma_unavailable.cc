@@ -27,6 +27,11 @@ Result<std::unique_ptr<Transport>> create_rdma_transport(Options options) {
                     kNotBuilt);
 }
 
+std::string rdma_debug_state(Connection& connection) {
+  (void)connection;
+  return "";
+}
+
 std::optional<RdmaStats> rdma_stats(const Connection& connection) {
   (void)connection;
   return std::nullopt;
