@@ -136,7 +136,8 @@ TEST(Proto, JoinBodiesRoundTrip) {
   h.type = MsgType::kJoin;
   h.worker_rank = 3;
   JoinRequestBody body{4, 2, 1, 0};
-  auto m = decode(encode_message(h, {}, encode_body(body)));
+  const auto bytes = encode_message(h, {}, encode_body(body));  // the view points into it
+  auto m = decode(bytes);
   ASSERT_TRUE(m);
   auto back = decode_join_request(m->payload.first<sizeof(JoinRequestBody)>());
   EXPECT_EQ(back.num_workers, 4u);
@@ -146,7 +147,8 @@ TEST(Proto, JoinBodiesRoundTrip) {
   Header r = reply_header(h);
   JoinReplyBody rb{4, 2, 1, static_cast<std::uint8_t>(Consistency::kSsp),
                    static_cast<std::uint8_t>(LossPolicy::kShrink), 3, 5};
-  auto rm = decode(encode_message(r, {}, encode_body(rb)));
+  const auto reply_bytes = encode_message(r, {}, encode_body(rb));
+  auto rm = decode(reply_bytes);
   ASSERT_TRUE(rm) << rm.error().to_string();
   auto rback = decode_join_reply(rm->payload.first<sizeof(JoinReplyBody)>());
   EXPECT_EQ(rback.staleness, 5u);
@@ -159,7 +161,8 @@ TEST(Proto, SetLearningRateCarriesOneDouble) {
   h.type = MsgType::kSetLearningRate;
   h.dtype = DType::kFloat64;
   h.num_elements = 1;
-  auto m = decode(encode_message(h, {}, encode_f64(0.0125)));
+  const auto bytes = encode_message(h, {}, encode_f64(0.0125));
+  auto m = decode(bytes);
   ASSERT_TRUE(m);
   EXPECT_EQ(decode_f64(m->payload.first<8>()), 0.0125);
   h.num_elements = 2;
