@@ -168,19 +168,24 @@ ServerProcess::ServerProcess(const TempDir& dir, const ClusterSpec& spec, std::u
   write_file(cfg, cluster_toml(spec, placeholders));
   log_ = dir / fmt::format("server{}.log", index);
   // tcp binds any free port. shm listens on the abstract socket named after
-  // host:port, so pick a port number unlikely to be in use by another test.
+  // host:port, so pick a port number unlikely to be in use by another test
+  // (and another on the rare clash: the server then exits at once).
   static std::atomic<std::uint32_t> counter{0};
-  const std::string listen =
-      spec.transport == "shm"
-          ? fmt::format("127.0.0.1:{}", 20000 + (static_cast<std::uint32_t>(::getpid()) * 131 +
-                                                 counter.fetch_add(1) * 7919) % 40000)
-          : std::string("127.0.0.1:0");
-  std::vector<std::string> args{"--config", cfg.string(), "--listen", listen, "--set",
-                                fmt::format("server.server_index={}", index), "--set",
-                                "server.metrics_listen=127.0.0.1:0"};
-  args.insert(args.end(), extra_args.begin(), extra_args.end());
-  process_ = std::make_unique<Process>(server_binary(), args, log_);
-  auto line = process_->wait_line("ember-server ready", 30s);
+  std::optional<std::string> line;
+  std::string listen;
+  for (int attempt = 0; attempt < 3 && !line; ++attempt) {
+    listen = spec.transport == "shm"
+                 ? fmt::format("127.0.0.1:{}", 20000 + (static_cast<std::uint32_t>(::getpid()) * 131 +
+                                                        counter.fetch_add(1) * 7919) % 40000)
+                 : std::string("127.0.0.1:0");
+    std::vector<std::string> args{"--config", cfg.string(), "--listen", listen, "--set",
+                                  fmt::format("server.server_index={}", index), "--set",
+                                  "server.metrics_listen=127.0.0.1:0"};
+    args.insert(args.end(), extra_args.begin(), extra_args.end());
+    process_ = std::make_unique<Process>(server_binary(), args, log_);
+    line = process_->wait_line("ember-server ready", 30s);
+    if (!line && spec.transport != "shm") break;
+  }
   EXPECT_TRUE(line) << "ember-server did not come up; its log:\n" << log();
   if (!line) return;
   auto field = [&](const std::string& name) {
