@@ -13,8 +13,12 @@ if ! reason=$(scripts/rdma-vm/image.sh --check 2>&1); then
 fi
 scripts/rdma-vm/suite.sh --configure-only || exit 1
 cmake -S . -B build/rdma-guest -DEMBER_BUILD_BENCH=ON >/dev/null || exit 1
-cmake --build build/rdma-guest -j "$(nproc)" --target ember-bench-rdma || exit 1
 out=$(mktemp)
+if ! cmake --build build/rdma-guest -j "$(nproc)" --target ember-bench-rdma > "$out" 2>&1; then
+  tail -n 30 "$out"
+  rm -f "$out"
+  exit 1
+fi
 scripts/rdma-vm/run.sh --mem 2G --timeout 900 -- build/rdma-guest/bench/rdma/ember-bench-rdma "$@" > "$out" 2>&1
 rc=$?
 sed -n '/^ember-bench-rdma/,/^SUMMARY/p' "$out" | grep -v '^\[[ 0-9.]*\]'
