@@ -12,8 +12,8 @@
 // gives the parameters of one process trained with the doubled batch (the
 // sampler makes the samples identical; only float summation order differs);
 // every failure is a clear message and a non-zero exit: server absent,
-// server killed mid-training, a worker lost, a server holding an earlier job,
-// a bad rank.
+// server killed mid-training, server hung (timeout), a worker lost, a
+// server holding an earlier job, a bad rank.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -377,6 +377,24 @@ TEST_F(FmnistJob, ServerKilledMidTrainingStopsEveryWorkerWithAnError) {
     EXPECT_NE(err.find("epoch 1 step"), std::string::npos) << err;
     EXPECT_TRUE(lines_with(*w, "RESULT").empty());
   }
+}
+
+TEST_F(FmnistJob, HungServerIsATimeoutError) {
+  const std::string config = write_config(1);
+  auto server = start_server(config);
+  ASSERT_NE(server, nullptr);
+  auto w = start_worker(config, 0,
+                        {"--epochs", "1", "--progress-every", "5", "--set",
+                         "worker.request_timeout=2s"});
+  ASSERT_TRUE(w->wait_line("progress ", kRunTimeout).has_value()) << describe(*w);
+  server->signal(SIGSTOP);  // alive (connections open) but silent
+  EXPECT_EQ(w->wait_exit(kStartTimeout), 1) << describe(*w);
+  const std::string err = w->stderr_text();
+  EXPECT_NE(err.find("error: timeout"), std::string::npos) << err;
+  EXPECT_NE(err.find("request_timeout"), std::string::npos) << err;
+  server->signal(SIGCONT);
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
 }
 
 TEST_F(FmnistJob, LostWorkerFailsTheOthersUnderTheFailPolicy) {
