@@ -116,7 +116,6 @@ class Run {
   ember::Result<ember::config::Config> load_config() {
     EMBER_ASSIGN_OR_RETURN(ember::config::Config config,
                            ember::config::load_config_file(o_.config_path));
-    EMBER_TRY(ember::config::apply_overrides(config, o_.overrides));
     if (o_.rank < 0) {
       if (const char* env = std::getenv("EMBER_WORKER_RANK"); env != nullptr && *env != '\0') {
         char* end = nullptr;
@@ -130,7 +129,14 @@ class Run {
     }
     if (o_.rank >= 0) ember::config::set_worker_rank(config, static_cast<std::uint32_t>(o_.rank));
     rank_ = config.worker.rank;
-    EMBER_TRY(ember::config::validate(config, "fmnist-worker"));
+    // --set last: a job's shape given on the command line is checked
+    // together with the rank (apply_overrides validates the result).
+    if (o_.overrides.empty()) {
+      EMBER_TRY(ember::config::validate(config, o_.config_path));
+    } else {
+      EMBER_TRY(ember::config::apply_overrides(config, o_.overrides));
+    }
+    rank_ = config.worker.rank;
     return config;
   }
 
