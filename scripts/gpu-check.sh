@@ -10,6 +10,11 @@
 #   3. the same once under compute-sanitizer memcheck, and a subset under
 #      racecheck;
 #   4. gpu_test (CPU reference, host emulation of the kernels);
+#   4b. gpu_exchange_cuda_test (label gpu): DeviceExchange push_device /
+#      pull_device of device tensors through a real in-process server,
+#      compared bit for bit with the plain Worker (fp32) and with the CPU
+#      backend (compressed groups), plus gpu_exchange_test (its CPU path);
+#      the fp32 case once more under compute-sanitizer memcheck;
 #   5. ember-bench-gpu: pack/unpack bandwidth against cudaMemcpy D2D for
 #      ResNet-50's 161 tensors and 10,000 tensors of 4-64 KiB, host time per
 #      pack call, channel sweep.
@@ -38,7 +43,7 @@ while (($#)); do
     --make-bundle) mode=make-bundle; shift ;;
     --bundle) mode=bundle; bundle="$2"; shift 2 ;;
     --no-gpu-ok) require_gpu=0; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -49,7 +54,7 @@ if [[ -n $out_dir ]]; then
   exec > >(tee -a "$out_dir/gpu-check.log") 2>&1
 fi
 
-targets=(gpu_kernels_test gpu_test ember-bench-gpu)
+targets=(gpu_kernels_test gpu_test ember-bench-gpu gpu_exchange_cuda_test gpu_exchange_test)
 nvcc_bin="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
 start_s=$SECONDS
 
@@ -77,7 +82,8 @@ if [[ $mode == make-bundle ]]; then
   rm -rf "$bundle"
   mkdir -p "$bundle/bin" "$bundle/lib"
   cp "$dir/tests/unit/gpu/gpu_kernels_test" "$dir/tests/unit/gpu/gpu_test" \
-     "$dir/bench/gpu/ember-bench-gpu" "$bundle/bin/"
+     "$dir/bench/gpu/ember-bench-gpu" "$dir/tests/integration/gpu/gpu_exchange_cuda_test" \
+     "$dir/tests/integration/gpu/gpu_exchange_test" "$bundle/bin/"
   strip --strip-debug "$bundle"/bin/*
   # Shared libraries that are not part of the base system (libfmt, ...).
   for bin in "$bundle"/bin/*; do
@@ -132,10 +138,14 @@ if [[ $mode == bundle ]]; then
   kernels_test="$bundle/bin/gpu_kernels_test"
   ref_test="$bundle/bin/gpu_test"
   bench="$bundle/bin/ember-bench-gpu"
+  exchange_test="$bundle/bin/gpu_exchange_cuda_test"
+  exchange_ref_test="$bundle/bin/gpu_exchange_test"
 else
   kernels_test="$bin_dir/tests/unit/gpu/gpu_kernels_test"
   ref_test="$bin_dir/tests/unit/gpu/gpu_test"
   bench="$bin_dir/bench/gpu/ember-bench-gpu"
+  exchange_test="$bin_dir/tests/integration/gpu/gpu_exchange_cuda_test"
+  exchange_ref_test="$bin_dir/tests/integration/gpu/gpu_exchange_test"
 fi
 log "build ready after $((SECONDS - start_s)) s"
 
@@ -165,6 +175,13 @@ run_step() {  # $1 = summary key, $2 = timeout s, then the command
 # Time limits add up to 8 minutes; a normal run takes a few.
 run_step gpu_tests 90 "$kernels_test" --gtest_brief=1
 run_step gpu_ref_tests 60 "$ref_test" --gtest_brief=1
+if [[ -x $exchange_test ]]; then
+  run_step exchange_gpu 90 "$exchange_test" --gtest_brief=1
+  run_step exchange_ref 60 "$exchange_ref_test" --gtest_brief=1
+else
+  summary+=("exchange_gpu=missing"); failed=1
+  log "no $exchange_test (a bundle made before DeviceExchange: make it again)"
+fi
 
 sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
 if ((require_gpu)) && [[ -x $sanitizer ]]; then
@@ -174,6 +191,10 @@ if ((require_gpu)) && [[ -x $sanitizer ]]; then
   run_step racecheck 90 "$sanitizer" --tool racecheck --error-exitcode 3 --print-limit 20 \
     "$kernels_test" --gtest_brief=1 \
     --gtest_filter=*MatchesTheCpuReferenceInDeviceMemory*:*FullRing*:*RejectsARecord*
+  if [[ -x $exchange_test ]]; then
+    run_step exchange_memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
+      "$exchange_test" --gtest_brief=1 --gtest_filter=*Fp32*:*HostPointers*
+  fi
 else
   summary+=("memcheck=skipped" "racecheck=skipped")
   log "compute-sanitizer not run (no GPU required or not installed)"
