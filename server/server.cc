@@ -22,6 +22,7 @@
 #include "common/metrics/metrics.h"
 #include "common/proto/message.h"
 #include "common/proto/runtime.h"
+#include "common/record/recorder.h"
 #include "common/transport/transport.h"
 #include "server/checkpoint.h"
 #include "server/metrics_http.h"
@@ -124,6 +125,9 @@ struct Server::Impl final : ReplySink {
   metrics::Histogram* latency_pull = nullptr;
   metrics::Histogram* latency_other = nullptr;
 
+  // Communication pattern recording ([communication] record_pattern); null
+  // when off. Declared before the shards: their threads call its hooks.
+  std::unique_ptr<record::Recorder> recorder;
   std::vector<std::unique_ptr<Shard>> shards;
   std::unique_ptr<transport::Transport> transport;
   std::unique_ptr<transport::Listener> listener;
@@ -240,6 +244,11 @@ void Server::Impl::make_metrics() {
   pool_in_use = &registry.gauge("ember_pool_bytes_in_use", "Page-pool bytes in allocated blocks");
   pool_region = &registry.gauge("ember_pool_region_bytes", "Page-pool region size");
   entries = &registry.gauge("ember_server_entries", "Tensor chunks stored on this server");
+  // Info metric (value 1, the fact in the label) for `emberctl status`.
+  registry
+      .gauge("ember_pool_backing_info", "What backs the page pool: hugetlb, thp or plain pages",
+             {{"backing", std::string(memory::backing_name(pool->backing()))}})
+      .set(1);
   for (std::size_t i = 0; i < shards.size(); ++i) {
     ring_items.push_back(&registry.gauge("ember_server_shard_ring_items",
                                          "Items queued in a shard's ring",
@@ -313,6 +322,15 @@ Status Server::Impl::init(const config::Config& cfg) {
                             : 256;
 
   EMBER_ASSIGN_OR_RETURN(pool, proto::make_pool(config, "server"));
+  // The channel count the transport will use (proto::transport_options
+  // resolves it the same way).
+  EMBER_ASSIGN_OR_RETURN(
+      recorder, record::Recorder::from_config(config, "server", sc.server_index,
+                                              config::resolved_num_channels(config.communication)));
+  if (recorder) {
+    log->info("recording the communication pattern to '{}' ([communication] record_pattern)",
+              recorder->path().string());
+  }
   auto optimizer = Optimizer::create(config.optimizer);
   if (!optimizer) {
     return make_error(ErrorCode::kConfig, "optimizer: {}", optimizer.error().message());
@@ -349,6 +367,7 @@ Status Server::Impl::init(const config::Config& cfg) {
       send_raw(to, bytes);
     };
     hooks.after_batch = [] { flush_dirty(); };
+    hooks.recorder = recorder.get();
     EMBER_ASSIGN_OR_RETURN(auto shard, Shard::create(std::move(so), *optimizer, std::move(hooks)));
     shards.push_back(std::move(shard));
   }
@@ -425,7 +444,8 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
   const transport::PeerInfo& peer = conn->peer();
   if (peer.role != transport::Role::kWorker || peer.rank >= config.cluster.num_workers) {
     bad_messages->inc();
-    log->warn("refusing {} '{}' with rank {}: this job has {} worker(s) (cluster.num_workers)",
+    log->warn("refusing {} '{}' with rank {}: this job has {} worker(s) (cluster.num_workers); "
+              "see docs/troubleshooting.md#worker-loss",
               transport::role_name(peer.role), peer.address, peer.rank, config.cluster.num_workers);
     conn->close();
     return;
@@ -484,7 +504,11 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
   if (reason.code() == ErrorCode::kClosed || reason.code() == ErrorCode::kCancelled) {
     log->info("worker {} ({}) disconnected", state->rank, state->peer);
   } else {
-    log->warn("worker {} ({}) lost: {}", state->rank, state->peer, reason.to_string());
+    // The pointer once: a transport reason may carry its own.
+    const std::string why = reason.to_string();
+    const bool pointed = why.find("docs/troubleshooting.md#") != std::string::npos;
+    log->warn("worker {} ({}) lost: {}{}", state->rank, state->peer, why,
+              pointed ? "" : "; see docs/troubleshooting.md#worker-loss");
   }
   broadcast(ShardItem::Kind::kDropConnection, state->rank, state->id);
   if (lost) broadcast(ShardItem::Kind::kWorkerLost, state->rank, state->id);
@@ -578,6 +602,11 @@ void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::He
   item.dims = dims;
   item.payload = std::move(payload);
   item.received = Clock::now();
+  if (recorder) [[unlikely]] {
+    // Before the post: the shard may handle it at once (head <= tail).
+    item.message_bytes = proto::prefix_bytes(h) + item.payload.size() * sizeof(float);
+    recorder->on_enqueue(channel, h.worker_rank, item.message_bytes);
+  }
   if ((h.type == proto::MsgType::kPush || h.type == proto::MsgType::kPushPull) &&
       h.worker_rank < worker_step.size() && static_cast<double>(h.step) > worker_step[h.worker_rank]->value()) {
     worker_step[h.worker_rank]->set(static_cast<double>(h.step));
@@ -869,9 +898,12 @@ void Server::Impl::refresh_metrics() {
   const memory::PoolStats ps = pool->stats();
   pool_in_use->set(static_cast<double>(ps.bytes_in_use));
   pool_region->set(static_cast<double>(ps.region_bytes));
+  std::uint64_t stored = 0;
   for (std::size_t i = 0; i < shards.size(); ++i) {
     ring_items[i]->set(static_cast<double>(shards[i]->queued_approx()));
+    stored += shards[i]->num_entries_approx();
   }
+  entries->set(static_cast<double>(stored));
 }
 
 // ---------------------------------------------------------------------------
@@ -902,6 +934,14 @@ Status Server::Impl::shutdown() {
   transport.reset();  // joins the I/O threads: no more items after this
   for (auto& s : shards) s->stop();
   for (auto& s : shards) s->join();
+  if (recorder) {
+    // No hook runs any more: the I/O and shard threads are joined.
+    if (Status s = recorder->close(); !s) {
+      log->warn("communication pattern recording incomplete: {}", s.error().to_string());
+    } else {
+      log->info("communication pattern recorded to '{}'", recorder->path().string());
+    }
+  }
   Status result;
   if (started && !config.server.checkpoint_dir.empty()) {
     auto r = write_checkpoint_now(false);

@@ -19,6 +19,13 @@
 // the peer); a well-formed request the store refuses gets an error reply
 // (logged at warn, first few per connection). Other workers carry on.
 //
+// Observability: metrics on [server] metrics_listen (ember_server_entries
+// counts the tensor chunks stored, as of each shard's last batch;
+// ember_pool_backing_info{backing} says what backs the page pool). With
+// [communication] record_pattern, the requests that enter and leave the
+// shard rings are recorded per channel and sender rank (common/record) to
+// "<record_path>.server<server_index>", closed at shutdown().
+//
 // Lifecycle: create() restores the newest valid checkpoint, starts shards,
 // listener, checkpoint thread and metrics; shutdown() stops accepting,
 // closes connections, drains the shards, writes a final checkpoint (when
@@ -40,7 +47,8 @@ class Server {
  public:
   // Errors: kConfig (unusable settings, e.g. a checkpoint from another
   // optimizer type, partition_bytes above the largest block), kIo (bind,
-  // threads, checkpoint directory), and the pool's and transport's errors.
+  // threads, checkpoint directory, the recording file), and the pool's and
+  // transport's errors.
   static Result<std::unique_ptr<Server>> create(const config::Config& config);
   ~Server();  // shutdown() if not done
 

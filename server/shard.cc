@@ -94,7 +94,9 @@ void Shard::run() {
     CPU_ZERO(&set);
     CPU_SET(*options_.cpu, &set);
     if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) != 0) {
-      log::logger("server")->warn("{}: cannot pin to CPU {}; running unpinned", name, *options_.cpu);
+      log::logger("server")->warn(
+          "{}: cannot pin to CPU {}; running unpinned; see docs/troubleshooting.md#throughput-drops",
+          name, *options_.cpu);
     }
   }
   auto handle_item = [this](ShardItem& item) { handle(item); };
@@ -118,11 +120,13 @@ void Shard::run() {
       core_.on_tick(Clock::now(), *hooks_.sink);
       if (barrier_) barrier_->on_tick(Clock::now(), *hooks_.sink);
     }
+    if (n != 0) publish_stats();
     if (hooks_.after_batch) hooks_.after_batch();
     if (n == 0 && stopping_.load(std::memory_order_acquire)) {
       // Drain: everything queued before stop() is handled before exiting.
       while (ring_->consume(handle_item, 1024) != 0 || drain_overflow() != 0) {
       }
+      publish_stats();
       if (hooks_.after_batch) hooks_.after_batch();
       return;
     }
@@ -164,6 +168,9 @@ void Shard::handle(ShardItem& item) {
           break;
       }
       if (hooks_.on_handled) hooks_.on_handled(r.header.type, now - item.received);
+      if (hooks_.recorder != nullptr) [[unlikely]] {
+        hooks_.recorder->on_dequeue(r.to.channel, 1, item.message_bytes);
+      }
       break;
     }
     case ShardItem::Kind::kWorkerLost:

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/record/recorder.h"
 #include "common/ring/blocking_mpsc_ring.h"
 #include "server/barrier_core.h"
 #include "server/shard_core.h"
@@ -71,6 +72,9 @@ struct ShardItem {
   std::shared_ptr<SnapshotCollector> collector;
   std::vector<std::byte> raw;
   TimePoint received{};
+  // kRequest with recording on: the message's bytes as counted by
+  // Recorder::on_enqueue (header, dims and tensor bytes); 0 otherwise.
+  std::uint64_t message_bytes = 0;
 };
 
 struct ShardOptions {
@@ -97,6 +101,10 @@ struct ShardHooks {
   // After each batch of items: the sink flushes what this thread queued
   // (replies go out together, not one flush_interval later).
   std::function<void()> after_batch;
+  // Communication pattern recording: on_dequeue(channel the request came
+  // on, 1, item.message_bytes) after each request is handled. Null: off (one
+  // branch). Not owned; must outlive the shard's thread.
+  record::Recorder* recorder = nullptr;
 };
 
 class Shard {
@@ -108,7 +116,11 @@ class Shard {
   ~Shard();  // stop() + join()
 
   // Restores entries before start(). Errors: ShardCore::restore's.
-  Status restore(EntrySnapshot snapshot) { return core_.restore(std::move(snapshot)); }
+  Status restore(EntrySnapshot snapshot) {
+    Status s = core_.restore(std::move(snapshot));
+    publish_stats();
+    return s;
+  }
   Status set_learning_rate(double lr) { return core_.set_learning_rate(lr); }
 
   void start();
@@ -129,6 +141,11 @@ class Shard {
   const ShardCore& core() const { return core_; }
 
   std::size_t queued_approx() const noexcept { return ring_->size_approx(); }
+  // Tensor chunks stored, as of the end of the shard's last batch (or the
+  // last restore()). Any thread; for metrics.
+  std::uint64_t num_entries_approx() const noexcept {
+    return num_entries_.load(std::memory_order_relaxed);  // relaxed: a statistic, publishes nothing
+  }
   std::uint32_t index() const noexcept { return options_.index; }
 
  private:
@@ -139,6 +156,11 @@ class Shard {
   // Handles the ring's backlog and then the overflow list; returns the
   // number of overflow items handled.
   std::size_t drain_overflow();
+  // Copies the core's O(1) statistics into the atomics readers see. Shard
+  // thread (or the owner before start()).
+  void publish_stats() noexcept {
+    num_entries_.store(core_.num_entries(), std::memory_order_relaxed);  // relaxed: as above
+  }
 
   ShardOptions options_;
   ShardHooks hooks_;
@@ -149,6 +171,7 @@ class Shard {
   std::deque<ShardItem> overflow_;                 // guarded by overflow_mutex_
   std::atomic<std::size_t> overflow_count_{0};     // > 0: producers append to overflow_
   std::atomic<bool> stopping_{false};
+  std::atomic<std::uint64_t> num_entries_{0};
   std::thread thread_;
 };
 

@@ -165,7 +165,8 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
     sink.error(request.to, h,
                Error(ErrorCode::kStale,
                      fmt::format("push of step {} for {} from rank {} arrived after that round "
-                                 "closed (now at step {}); pull to catch up",
+                                 "closed (now at step {}); pull to catch up; see "
+                                 "docs/troubleshooting.md#reordered-messages",
                                  t, entry_name(e.id), rank, e.version)));
     return PushOutcome::kRefused;
   }
@@ -173,7 +174,8 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
     sink.error(request.to, h,
                Error(ErrorCode::kInvalidArgument,
                      fmt::format("push of step {} for {} from rank {} is more than {} steps past "
-                                 "the open round {}; pull before pushing further steps",
+                                 "the open round {}; pull before pushing further steps; see "
+                                 "docs/troubleshooting.md#reordered-messages",
                                  t, entry_name(e.id), rank, options_.max_steps_ahead, e.version)));
     return PushOutcome::kRefused;
   }

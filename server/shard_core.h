@@ -180,7 +180,10 @@ class ShardCore {
   // state of another type, rank count differs), kInvalidArgument (entry exists).
   Status restore(EntrySnapshot snapshot);
 
+  // O(entries): walks the store for param_bytes and parked requests.
   CoreStats stats() const;
+  // Entries (tensor chunks) stored; O(1), for per-batch metrics.
+  std::size_t num_entries() const noexcept { return entries_.size(); }
   const CoreOptions& options() const noexcept { return options_; }
 
  private:

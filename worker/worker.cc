@@ -23,6 +23,7 @@
 #include "common/placement/placement.h"
 #include "common/proto/message.h"
 #include "common/proto/runtime.h"
+#include "common/record/recorder.h"
 #include "common/ring/mpsc_ring.h"
 #include "common/transport/transport.h"
 
@@ -150,6 +151,12 @@ struct Outgoing {
 
 using ChannelRing = ring::MpscRing<Outgoing>;
 
+// Bytes a request puts on the wire: its encoded header and dims plus the
+// tensor bytes it carries (what the recorder counts per channel and rank).
+std::uint64_t message_bytes(const Outgoing& o) {
+  return proto::prefix_bytes(o.header) + o.data.size();
+}
+
 struct ServerLink {
   std::uint32_t index = 0;
   std::string address;
@@ -177,6 +184,9 @@ struct Worker::Impl {
   config::Config config;
   std::shared_ptr<spdlog::logger> log = log::logger("worker");
   std::unique_ptr<memory::PagePool> pool;
+  // Communication pattern recording ([communication] record_pattern); null
+  // when off. Declared before the rings and links so that it outlives them.
+  std::unique_ptr<record::Recorder> recorder;
   std::atomic<std::uint32_t> region_id{transport::MemoryLocation::kNoRegion};
   transport::Kind kind = transport::Kind::kTcp;
   std::uint32_t num_channels = 1;
@@ -217,12 +227,23 @@ struct Worker::Impl {
       if (s->conn) s->conn->close(std::chrono::milliseconds(200));
     }
     for (auto& s : servers) {
-      for (auto& r : s->rings) {
-        r->consume([](Outgoing& o) { o.op->fail(Error(ErrorCode::kClosed, "worker destroyed")); },
-                   ~std::size_t{0});
+      for (std::uint32_t c = 0; c < s->rings.size(); ++c) {
+        s->rings[c]->consume(
+            [this, c](Outgoing& o) {
+              if (recorder) recorder->on_dequeue(c, 1, message_bytes(o));
+              o.op->fail(Error(ErrorCode::kClosed, "worker destroyed"));
+            },
+            ~std::size_t{0});
       }
     }
     transport.reset();  // runs on_closed: pending operations fail with kClosed
+    if (recorder) {
+      if (Status s = recorder->close(); !s) {
+        log->warn("communication pattern recording incomplete: {}", s.error().to_string());
+      } else {
+        log->info("communication pattern recorded to '{}'", recorder->path().string());
+      }
+    }
   }
 
   // ---- setup ----
@@ -274,6 +295,12 @@ Status Worker::Impl::init(const config::Config& cfg) {
   EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config));
   kind = topts.kind;
   num_channels = topts.num_channels;
+  EMBER_ASSIGN_OR_RETURN(recorder, record::Recorder::from_config(config, "worker",
+                                                                 config.worker.rank, num_channels));
+  if (recorder) {
+    log->info("recording the communication pattern to '{}' ([communication] record_pattern)",
+              recorder->path().string());
+  }
   small_limit = config.communication.batch_threshold_bytes > 512
                     ? config.communication.batch_threshold_bytes - 256
                     : 256;
@@ -447,8 +474,12 @@ void Worker::Impl::timer_loop() {
 void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason) {
   auto lost = pending.take_connection(server, gen);
   if (!lost.empty() || (reason.code() != ErrorCode::kClosed && reason.code() != ErrorCode::kCancelled)) {
-    log->warn("connection to server {} ({}) closed: {}; {} request(s) failed", server,
-              servers[server]->address, reason.to_string(), lost.size());
+    // The pointer once: a transport reason may carry its own.
+    const std::string why = reason.to_string();
+    const bool pointed = why.find("docs/troubleshooting.md#") != std::string::npos;
+    log->warn("connection to server {} ({}) closed: {}; {} request(s) failed{}", server,
+              servers[server]->address, why, lost.size(),
+              pointed ? "" : "; see docs/troubleshooting.md#worker-loss");
   }
   for (auto& r : lost) {
     r.op->fail(Error(ErrorCode::kClosed,
@@ -599,7 +630,14 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now) {
 
 void Worker::Impl::flush_ring(ServerLink& link, std::uint32_t channel) {
   std::lock_guard consumer(*link.ring_consumer[channel]);
-  link.rings[channel]->consume([this](Outgoing& o) { send(std::move(o), false); }, ~std::size_t{0});
+  link.rings[channel]->consume(
+      [this, channel](Outgoing& o) {
+        if (recorder) [[unlikely]] {
+          recorder->on_dequeue(channel, 1, message_bytes(o));
+        }
+        send(std::move(o), false);
+      },
+      ~std::size_t{0});
 }
 
 Status Worker::Impl::flush_all_rings() {
@@ -619,18 +657,36 @@ Status Worker::Impl::flush_all_rings() {
 }
 
 void Worker::Impl::issue(Outgoing&& o, bool pipelined) {
+  // Recording off: one predictable branch per request (`recorder` never
+  // changes after init).
+  record::Recorder* const rec = recorder.get();
   if (!pipelined) {
+    if (rec != nullptr) [[unlikely]] {
+      // Passes through the channel at once: enters and leaves together.
+      const std::uint64_t bytes = message_bytes(o);
+      rec->on_enqueue(o.channel, config.worker.rank, bytes);
+      rec->on_dequeue(o.channel, 1, bytes);
+    }
     send(std::move(o), true);
     return;
   }
   ServerLink& link = *servers[o.server];
   ChannelRing& ring = *link.rings[o.channel];
   const std::uint32_t channel = o.channel;
+  std::uint64_t bytes = 0;
+  if (rec != nullptr) [[unlikely]] {
+    // Before the push: once in the ring, a flusher may take it (head <= tail).
+    bytes = message_bytes(o);
+    rec->on_enqueue(channel, config.worker.rank, bytes);
+  }
   if (ring.try_push(std::move(o))) return;
   // Full (or no lane left for this thread): make room by sending what is queued.
   flush_ring(link, channel);
   if (ring.try_push(std::move(o))) return;
-  send(std::move(o), false);  // still no room (more threads than lanes): send directly
+  // Still no room (more threads than lanes): send directly; it leaves the
+  // channel without passing through the ring.
+  if (rec != nullptr) [[unlikely]] rec->on_dequeue(channel, 1, bytes);
+  send(std::move(o), false);
 }
 
 Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,

@@ -49,6 +49,12 @@
 // whose framer packs small messages into batches; wait() flushes and
 // returns when every reply is in.
 //
+// Recording. With [communication] record_pattern, every request entering
+// and leaving a channel (its ring in a pipeline; straight through
+// otherwise) is recorded with its bytes (common/record) to
+// "<record_path>.worker<rank>", closed when the Worker is destroyed.
+// Off, it costs one branch per request.
+//
 // Thread-safety: all Worker and Pipeline methods may be called from any
 // thread, except create/destruction. Blocking: create() (connect, join);
 // Handle::wait; allocate never blocks. The Worker must outlive its Handles'
@@ -115,7 +121,8 @@ class Worker {
  public:
   // Connects to every server and joins. Errors: kConfig (invalid config,
   // transport "rdma", a server with another [cluster] table), kIo / kTimeout
-  // (a server unreachable after connect_retries), the pool's errors.
+  // (a server unreachable after connect_retries), kIo (record_pattern on and
+  // the recording file cannot be created), the pool's errors.
   static Result<std::unique_ptr<Worker>> create(const config::Config& config);
   // Loads `path` (config::load_config_file), applies `overrides`
   // ("table.key=value"), then create().

@@ -358,7 +358,8 @@ Result<std::unique_ptr<PagePool>> PagePool::create(const PoolOptions& options) {
   if (pool->backing_ == Backing::kTransparentHuge && options.prefault && vma.found &&
       huge_mapped_bytes == 0) {
     log->warn("page pool '{}': THP was granted but the kernel mapped no 2 MiB pages "
-              "(fragmented memory?); the pool works with 4 KiB pages",
+              "(fragmented memory?); the pool works with 4 KiB pages; see "
+              "docs/troubleshooting.md#throughput-drops",
               pool->name_);
   }
   return pool;
@@ -761,7 +762,7 @@ tl::unexpected<Error> PagePool::exhausted_error(std::size_t size_class, std::siz
     return make_error(ErrorCode::kPoolExhausted,
                       "page pool '{}': a {}-byte request needs a {} block (size class {} of {}), "
                       "larger than the whole region ({} pages of 2 MiB); raise prealloc_pages "
-                      "(now {}) to at least {}",
+                      "(now {}) to at least {}; see docs/troubleshooting.md#pool-exhaustion",
                       name_, bytes, format_bytes(block_bytes), size_class, kNumSizeClasses,
                       total_pages, total_pages, block_bytes / kPoolPageBytes);
   }
@@ -780,7 +781,8 @@ tl::unexpected<Error> PagePool::exhausted_error(std::size_t size_class, std::siz
       "{} of {} pages (2 MiB) are carved into blocks, {} of them in blocks in use; this class "
       "has {} blocks in use and {} parked in other threads' caches; {} lie free in other "
       "classes (blocks never change class). Raise prealloc_pages (now {}) in [communication], "
-      "or lower batch_threshold so that fewer bytes wait in batches",
+      "or lower batch_threshold so that fewer bytes wait in batches; see "
+      "docs/troubleshooting.md#pool-exhaustion",
       name_, format_bytes(block_bytes), size_class, kNumSizeClasses, bytes, s.pages_carved,
       total_pages, format_bytes(s.bytes_in_use), cls.blocks_in_use, cls.blocks_cached,
       format_bytes(free_elsewhere), total_pages);

@@ -105,7 +105,7 @@ transport::ReceiveAllocator pool_receive_allocator(memory::PagePool& pool, std::
       if (!warned.exchange(true)) {
         log::logger("pool")->warn(
             "pool '{}' exhausted: receiving into heap memory instead (slower; raise "
-            "communication.prealloc_pages)",
+            "communication.prealloc_pages); see docs/troubleshooting.md#pool-exhaustion",
             pool.name());
       }
     }

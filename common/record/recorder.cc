@@ -78,14 +78,27 @@ Result<std::unique_ptr<Recorder>> Recorder::create(RecorderOptions options) {
   return r;
 }
 
+std::filesystem::path recording_path(std::string_view record_path, std::string_view role,
+                                     std::uint32_t index) {
+  return std::filesystem::path(fmt::format("{}.{}{}", record_path, role, index));
+}
+
 Result<std::unique_ptr<Recorder>> Recorder::from_config(const config::Config& config,
-                                                        std::string source,
+                                                        std::string_view role, std::uint32_t index,
                                                         std::uint32_t num_channels,
                                                         std::chrono::nanoseconds sample_interval) {
   if (!config.communication.record_pattern) return std::unique_ptr<Recorder>();
+  if (role.empty() || role.find_first_not_of("abcdefghijklmnopqrstuvwxyz") != std::string_view::npos) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "recorder: process role '{}' must be lowercase letters (e.g. \"server\")",
+                      role);
+  }
   RecorderOptions o;
-  o.path = config.communication.record_path;
-  o.source = std::move(source);
+  // An empty record_path stays empty: create() names the setting.
+  if (!config.communication.record_path.empty()) {
+    o.path = recording_path(config.communication.record_path, role, index);
+  }
+  o.source = fmt::format("{} {}", role, index);
   o.num_channels = num_channels;
   o.num_ranks = config.cluster.num_workers;
   o.sample_interval = sample_interval;

@@ -15,18 +15,22 @@
 //                                      them, or handed them on): the head
 //                                      advances.
 //
-// Where the hooks go (owners of those modules call them; a null Recorder*
-// means recording is off and costs one branch):
-//   worker:    on_enqueue when a request is put into its channel's ring
-//              (Pipeline::enqueue and the direct push/pull paths), rank =
-//              this worker's rank; on_dequeue when the flush takes requests
-//              off the ring and hands them to the transport.
-//   transport: on_enqueue in Connection::send (channel, peer rank for a
-//              server, own rank for a worker), on_dequeue when the channel's
-//              writer has written the frame holding them.
-//   server:    on_enqueue per received message on the connection's channel
-//              with the sender's rank (bytes per rank = what each worker
-//              sent), on_dequeue when the shard has handled it.
+// Where the hooks are called (a null Recorder* means recording is off and
+// costs one predictable branch; message bytes = encoded header and dims plus
+// tensor bytes):
+//   worker (worker/worker.cc): on_enqueue when a request is put into its
+//              channel's ring (Pipeline::enqueue), rank = this worker's rank;
+//              on_dequeue when flush_ring takes it off the ring and hands it
+//              to the transport. A request sent at once (push, pull, init,
+//              barrier, ... outside a pipeline; or a pipeline request that
+//              found its ring full) passes through: on_enqueue and
+//              on_dequeue together. Channel ids are per server link; the
+//              rings of channel c towards every server count as channel c.
+//   server (server/server.cc, server/shard.cc): on_enqueue when the I/O
+//              thread posts a request to its shard's ring, on the channel it
+//              arrived on, with the sender's rank (bytes per rank = what each
+//              worker sent to this server); on_dequeue when the shard has
+//              handled it. tail - head is then what waits in shard rings.
 // Call on_enqueue before the message becomes visible to the consumer, so
 // that head <= tail holds in samples.
 //
@@ -53,6 +57,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -77,6 +82,12 @@ struct RecorderOptions {
   std::chrono::nanoseconds sample_interval{std::chrono::milliseconds(1)};
 };
 
+// The file process `role` `index` records to: record_path with
+// ".<role><index>" appended ("/tmp/ember.rec" -> "/tmp/ember.rec.server0",
+// "/tmp/ember.rec.worker3"). Pure.
+std::filesystem::path recording_path(std::string_view record_path, std::string_view role,
+                                     std::uint32_t index);
+
 class Recorder {
  public:
   // Validates the options, creates the file, writes the header and starts
@@ -85,10 +96,16 @@ class Recorder {
   // naming the path and errno).
   [[nodiscard]] static Result<std::unique_ptr<Recorder>> create(RecorderOptions options);
 
-  // From a validated Config: nullptr (no error) when record_pattern is
-  // false, else create() with path = record_path. Errors: create()'s.
+  // From a validated Config, for process `role` `index` ("server" 0,
+  // "worker" 3): nullptr (no error) when record_pattern is false, else
+  // create() with path = recording_path(record_path, role, index), source
+  // "<role> <index>", num_ranks = cluster.num_workers. Every process of a
+  // job loads the same config, so each writes its own file next to
+  // record_path. Errors: create()'s, and kInvalidArgument for a role that
+  // is empty or not lowercase letters.
   [[nodiscard]] static Result<std::unique_ptr<Recorder>> from_config(
-      const config::Config& config, std::string source, std::uint32_t num_channels,
+      const config::Config& config, std::string_view role, std::uint32_t index,
+      std::uint32_t num_channels,
       std::chrono::nanoseconds sample_interval = std::chrono::milliseconds(1));
 
   ~Recorder();  // close(), ignoring its error (log it yourself: call close())

@@ -8,9 +8,10 @@
 //   ember_server_shard_ring_items{shard}, ember_server_checkpoints_written_total,
 //   ember_server_bytes_received / _sent, ember_server_messages_received / _sent,
 //   ember_server_frames_received, ember_server_batch_fill_ratio,
-//   ember_server_request_latency_us{type} (histogram), and, when the server
-//   exports it, ember_pool_backing_info{backing="hugetlb"|"thp"|"plain"} 1.
-// A metric the server does not export is shown as "n/a", never guessed.
+//   ember_server_request_latency_us{type} (histogram), and
+//   ember_pool_backing_info{backing="hugetlb"|"thp"|"plain"} 1.
+// A metric the server does not export (an older server lacks the backing
+// info) is shown as "n/a", never guessed.
 //
 // Thread-safety: pure functions.
 #pragma once

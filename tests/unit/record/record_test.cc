@@ -28,6 +28,7 @@ class TempFile {
     path_ = fs::temp_directory_path() /
             ("ember-record-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++));
   }
+  explicit TempFile(fs::path path) : path_(std::move(path)) {}
   ~TempFile() { fs::remove(path_); }
   const fs::path& path() const { return path_; }
 
@@ -203,22 +204,67 @@ TEST(Recorder, RefusesBadOptionsWithClearErrors) {
 
 TEST(Recorder, FromConfigIsNullWhenRecordingIsOff) {
   config::Config c;
-  auto r = Recorder::from_config(c, "server 0", 2);
+  c.communication.record_path = "/tmp/never-written.rec";
+  auto r = Recorder::from_config(c, "server", 0, 2);
   ASSERT_TRUE(r);
   EXPECT_EQ(r->get(), nullptr);
+  EXPECT_FALSE(fs::exists("/tmp/never-written.rec.server0"));
+}
 
-  TempFile f;
+TEST(Recorder, FromConfigWritesOneFilePerProcessNextToRecordPath) {
+  TempFile base;
+  TempFile server_file(base.path().string() + ".server1");
+  TempFile worker_file(base.path().string() + ".worker3");
+  config::Config c;
   c.communication.record_pattern = true;
-  c.communication.record_path = f.path().string();
+  c.communication.record_path = base.path().string();
   c.cluster.num_workers = 5;
-  r = Recorder::from_config(c, "server 0", 2);
-  ASSERT_TRUE(r) << r.error().to_string();
-  ASSERT_NE(r->get(), nullptr);
-  ASSERT_TRUE((*r)->close());
-  auto loaded = load_recording(f.path());
-  ASSERT_TRUE(loaded);
-  EXPECT_EQ(loaded->num_ranks, 5u);
-  EXPECT_EQ(loaded->num_channels, 2u);
+  auto server = Recorder::from_config(c, "server", 1, 2);
+  ASSERT_TRUE(server) << server.error().to_string();
+  ASSERT_NE(server->get(), nullptr);
+  auto worker = Recorder::from_config(c, "worker", 3, 4);
+  ASSERT_TRUE(worker) << worker.error().to_string();
+  ASSERT_NE(worker->get(), nullptr);
+  EXPECT_EQ((*server)->path(), server_file.path());
+  EXPECT_EQ((*worker)->path(), worker_file.path());
+  (*worker)->on_enqueue(3, 3, 100);
+  ASSERT_TRUE((*server)->close());
+  ASSERT_TRUE((*worker)->close());
+  EXPECT_FALSE(fs::exists(base.path())) << "record_path itself is never written";
+
+  auto s = load_recording(server_file.path());
+  ASSERT_TRUE(s) << s.error().to_string();
+  EXPECT_EQ(s->source, "server 1");
+  EXPECT_EQ(s->num_ranks, 5u);
+  EXPECT_EQ(s->num_channels, 2u);
+  auto w = load_recording(worker_file.path());
+  ASSERT_TRUE(w) << w.error().to_string();
+  EXPECT_EQ(w->source, "worker 3");
+  EXPECT_EQ(w->num_channels, 4u);
+  const Totals t = final_totals(*w);
+  EXPECT_EQ(t.ranks[3].bytes_sent, 100u);
+  EXPECT_EQ(t.channels[3].tail_msgs, 1u);
+}
+
+TEST(Recorder, FromConfigRejectsABadRoleAndAnEmptyPath) {
+  config::Config c;
+  c.communication.record_pattern = true;
+  c.communication.record_path = "/tmp/x.rec";
+  for (const char* role : {"", "Server", "worker 1", "a/b"}) {
+    auto r = Recorder::from_config(c, role, 0, 1);
+    ASSERT_FALSE(r) << role;
+    EXPECT_EQ(r.error().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(r.error().message().find("lowercase letters"), std::string::npos) << r.error().message();
+  }
+  c.communication.record_path.clear();
+  auto r = Recorder::from_config(c, "worker", 0, 1);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message().find("record_path"), std::string::npos) << r.error().message();
+}
+
+TEST(RecordingPath, AppendsRoleAndIndex) {
+  EXPECT_EQ(recording_path("/tmp/ember.rec", "server", 0), fs::path("/tmp/ember.rec.server0"));
+  EXPECT_EQ(recording_path("run", "worker", 12), fs::path("run.worker12"));
 }
 
 constexpr const char* kHeader =
