@@ -168,8 +168,9 @@ struct Quoted {
 
 // Lines of other owners' modules (transport, ring, membership) are checked
 // for drift too, without a pointer (their owners may add one). The
-// heartbeat-timeout reason is not: its text is moving between transport
-// files (each transport words its own), and the doc quotes it as an example.
+// heartbeat-timeout reason and the transport = "auto" choice are not: their
+// texts are being reworked in the transport module, and the doc quotes them
+// as examples.
 const Quoted kQuoted[] = {
     {"pool-exhaustion", "common/proto/runtime.cc", "receiving into heap memory instead", true},
     {"pool-exhaustion", "common/memory/page_pool.cc", "exhausted: no free", true},
@@ -181,8 +182,6 @@ const Quoted kQuoted[] = {
     {"throughput-drops", "server/shard.cc", "cannot pin to CPU", true},
     {"throughput-drops", "common/transport/io_threads.cc", "could not be pinned to CPU", false},
     {"throughput-drops", "common/ring/mpsc_ring.h", "producer lanes are in use", false},
-    {"throughput-drops", "common/transport/rdma/select.cc", "\"auto\": using tcp (", false},
-    {"throughput-drops", "common/transport/rdma/select.cc", "\"auto\": using shm (", false},
     // The pointer is appended unless the reason carries one: checked below.
     {"worker-loss", "server/server.cc", ") lost: {}{}", false},
     {"worker-loss", "server/server.cc", "this job has {} worker(s)", true},
