@@ -43,6 +43,7 @@ struct Options {
   std::uint64_t seed = 1;
   std::size_t max_steps_per_epoch = 0;
   std::size_t eval_batch_size = 1000;
+  std::size_t block_rows = fm::kDefaultBlockRows;
   std::string log_level = "info";
 };
 
@@ -89,7 +90,9 @@ int train(Options o) {
   topt.max_steps_per_epoch = o.max_steps_per_epoch;
   topt.eval_batch_size = o.eval_batch_size;
 
-  auto model = fm::Mlp::create(fm::MlpSpec{}, fm::required_max_batch_size(topt));
+  fm::MlpSpec spec;
+  spec.block_rows = o.block_rows;
+  auto model = fm::Mlp::create(spec, fm::required_max_batch_size(topt));
   if (!model) {
     log->error("{}", model.error());
     return 1;
@@ -177,6 +180,10 @@ int main(int argc, char** argv) {
     app.add_option("--seed", o.seed, "Seed of initialisation and shuffle")->capture_default_str();
     app.add_option("--max-steps-per-epoch", o.max_steps_per_epoch,
                    "Stop each epoch after this many steps (0: full epochs)")
+        ->capture_default_str();
+    app.add_option("--block-rows", o.block_rows,
+                   "Rows per weight block exchanged on its own (0: whole tensors; the worker and "
+                   "the baseline must agree for identical arithmetic)")
         ->capture_default_str();
     app.add_option("--eval-batch-size", o.eval_batch_size, "Samples per forward when evaluating")
         ->capture_default_str()

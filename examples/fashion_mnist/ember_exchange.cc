@@ -23,30 +23,57 @@ Result<PoolModelBuffers> bind_pool_buffers(Worker& worker, Mlp& model) {
   return buffers;
 }
 
-EmberExchange::~EmberExchange() {
-  if (!in_flight_.empty()) (void)drain("abandoned operation", 0);
+EmberExchange::~EmberExchange() { (void)drain("abandoned operation"); }
+
+Status EmberExchange::finish(const InFlight& op, std::string_view what) {
+  const Result<std::uint64_t> r = op.handle.wait();
+  if (!r) return with_context(r.error(), fmt::format("{} of {} (key {})", what, op.name, op.key));
+  if (*r < op.min_reply_step) {
+    return make_error(ErrorCode::kInternal,
+                      "{} of {} (key {}): the server replied with step {}, expected at least {}",
+                      what, op.name, op.key, *r, op.min_reply_step);
+  }
+  return ok_status();
 }
 
-Status EmberExchange::drain(std::string_view what, std::uint64_t min_reply_step) {
+Status EmberExchange::drain(std::string_view what) {
   Status first = ok_status();
+  for (std::optional<InFlight>& op : pending_) {
+    if (!op) continue;
+    Status s = finish(*op, what);  // keep waiting after an error: nothing may outlive this
+    if (first && !s) first = std::move(s);
+    op.reset();
+  }
   for (const InFlight& op : in_flight_) {
-    const Result<std::uint64_t> r = op.handle.wait();
-    if (!first) continue;  // keep waiting: no operation may outlive this call
-    if (!r) {
-      first = with_context(r.error(), fmt::format("{} of {} (key {})", what, op.name, op.key));
-    } else if (*r < min_reply_step) {
-      first = make_error(ErrorCode::kInternal,
-                         "{} of {} (key {}): the server replied with step {}, expected at least {}",
-                         what, op.name, op.key, *r, min_reply_step);
-    }
+    Status s = finish(op, what);
+    if (first && !s) first = std::move(s);
   }
   in_flight_.clear();
   pipeline_.reset();
   return first;
 }
 
+Result<std::size_t> EmberExchange::index_of(const Parameter& p) const {
+  if (!tensors_.empty() && p.key >= tensors_.front().key) {
+    const std::size_t i = p.key - tensors_.front().key;
+    if (i < tensors_.size() && tensors_[i].key == p.key) return i;
+  }
+  return make_error(ErrorCode::kInternal,
+                    "tensor {} (key {}) was not registered by EmberExchange::start", p.name, p.key);
+}
+
 Status EmberExchange::start(std::span<const Parameter> params) {
   tensors_.assign(params.begin(), params.end());
+  for (std::size_t i = 1; i < tensors_.size(); ++i) {
+    if (tensors_[i].key != tensors_[0].key + i) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "EmberExchange: tensor {} has key {}, expected {} (keys must be "
+                        "consecutive, in order, as Mlp::parameters() gives them)",
+                        tensors_[i].name, tensors_[i].key, tensors_[0].key + i);
+    }
+  }
+  pending_.clear();
+  pending_.resize(tensors_.size());
   const bool rank0 = worker_->rank() == 0;
   std::vector<std::array<std::uint64_t, 2>> shapes(tensors_.size());
   std::vector<Handle> inits;
@@ -81,39 +108,62 @@ Status EmberExchange::start(std::span<const Parameter> params) {
   // Every rank (rank 0 included, for uniformity) starts from the servers'
   // copy.
   for (const Parameter& p : tensors_) {
-    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name});
+    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0});
   }
-  return drain("initial pull", 0);
+  return drain("initial pull");
 }
 
-Status EmberExchange::gradients_ready(std::uint64_t step, std::size_t layer,
-                                      std::span<const Parameter> layer_params) {
-  if (!pipeline_) pipeline_.emplace(worker_->pipeline());
-  for (const Parameter& p : layer_params) {
+Status EmberExchange::gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) {
+  if (!pipeline_ || pipeline_step_ != step) {
+    pipeline_.reset();  // the previous step's scope: flushed, its handles stay valid
+    pipeline_.emplace(worker_->pipeline());
+    pipeline_step_ = step;
+  }
+  for (const Parameter& p : tensors) {
+    EMBER_ASSIGN_OR_RETURN(const std::size_t i, index_of(p));
     const std::uint64_t client_step = worker_->step(p.key);
-    if (client_step != step) {
+    if (client_step != step || pending_[i]) {
       return make_error(ErrorCode::kInternal,
                         "push of {} (key {}) for trainer step {}: the worker client is at step {} "
-                        "for this key (one push per key and step is expected)",
-                        p.name, p.key, step, client_step);
+                        "for this key{} (one push per key and step is expected)",
+                        p.name, p.key, step, client_step,
+                        pending_[i] ? " and its previous push_pull was not awaited" : "");
     }
-    in_flight_.push_back(
-        InFlight{pipeline_->enqueue_push_pull(p.key, p.grad, p.value), p.key, p.name});
+    // The reply to a push_pull of step s carries the step to compute next:
+    // s + 1 once the push is in.
+    pending_[i] =
+        InFlight{pipeline_->enqueue_push_pull(p.key, p.grad, p.value), p.key, p.name, step + 1};
   }
   if (Status s = pipeline_->flush(); !s) {
-    return with_context(s.error(),
-                        fmt::format("sending the gradients of layer {} at step {}", layer + 1, step));
+    return with_context(s.error(), fmt::format("sending the gradient of {} at step {}",
+                                               tensors.empty() ? "?" : tensors[0].name, step));
+  }
+  return ok_status();
+}
+
+Status EmberExchange::await_parameters(std::uint64_t step, std::span<const Parameter> tensors) {
+  for (const Parameter& p : tensors) {
+    EMBER_ASSIGN_OR_RETURN(const std::size_t i, index_of(p));
+    if (!pending_[i]) continue;
+    std::optional<InFlight> op = std::move(pending_[i]);
+    pending_[i].reset();
+    EMBER_TRY(finish(*op, fmt::format("push_pull for step {}", step > 0 ? step - 1 : 0)));
   }
   return ok_status();
 }
 
 Status EmberExchange::finish_step(std::uint64_t step) {
-  // The reply to a push_pull of step s carries the step to compute next:
-  // s + 1 once the push is in.
-  return drain(fmt::format("push_pull for step {}", step), step + 1);
+  (void)step;
+  pipeline_.reset();  // flushes; the replies are awaited per tensor
+  return ok_status();
 }
 
+Status EmberExchange::sync() { return drain("push_pull"); }
+
 Status EmberExchange::finish_epoch(std::uint32_t epoch) {
+  if (Status s = sync(); !s) {
+    return with_context(s.error(), fmt::format("end of epoch {}", epoch));
+  }
   const Result<std::uint64_t> r = worker_->barrier().wait();
   if (!r) return with_context(r.error(), fmt::format("barrier after epoch {}", epoch));
   // Every worker's pushes of the epoch are in: fetch the parameters that
@@ -121,9 +171,9 @@ Status EmberExchange::finish_epoch(std::uint32_t epoch) {
   // asp and ssp a worker's last reply predates the others' last pushes;
   // under bsp this returns the bytes already here).
   for (const Parameter& p : tensors_) {
-    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name});
+    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0});
   }
-  return drain(fmt::format("pull after epoch {}", epoch), 0);
+  return drain(fmt::format("pull after epoch {}", epoch));
 }
 
 }  // namespace ember::fashion_mnist

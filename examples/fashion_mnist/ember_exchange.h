@@ -8,16 +8,21 @@
 //   other ranks wait inside init until rank 0's values are on the servers.
 //   Then every rank pulls all tensors into its value buffers, so all ranks
 //   start from the same bytes.
-// Per step s (overlap of communication with backward):
-//   gradients_ready(s, l, {W_l, b_l}) runs inside Mlp::backward as soon as
-//   layer l is done (last layer first). It enqueues push_pull(key, grad,
-//   value) for both tensors in a per-step Pipeline and flushes, and returns
-//   without waiting: the gradient leaves from its page-pool block while
-//   backward goes on with layer l-1, and the server's reply — the parameters
-//   for step s+1, after the optimizer ran on the averaged gradients under
-//   bsp — lands in the value buffer in place (the model does not read it
-//   again before the next forward: mlp.h's overlap contract).
-//   finish_step(s) waits for every reply of the step.
+// Per step s (overlap of communication with backward and the next forward):
+//   gradients_ready(s, {tensor}) runs inside Mlp::backward as soon as the
+//   tensor's gradient is final (b_l, then each row block of W_l; last layer
+//   first). It enqueues push_pull(key, grad, value) in the step's Pipeline
+//   and flushes, and returns without waiting: the gradient leaves from its
+//   page-pool block while backward goes on, and the server's reply — the
+//   parameters for step s+1, after the optimizer ran on the averaged
+//   gradients under bsp — lands in the value buffer in place (the model does
+//   not read it before asking: mlp.h's overlap contract).
+//   finish_step(s) returns at once: nothing waits at the end of a step.
+//   await_parameters(s+1, {tensor}) runs inside the next Mlp::forward right
+//   before the tensor is read and waits for that tensor's reply only, so the
+//   round trip of W1's last row block overlaps with the next batch's
+//   gathering and the forward of W1's first blocks.
+//   sync() (end of epoch) waits for every reply.
 // Per epoch, finish_epoch(): a barrier, so that every worker has finished
 // the epoch's pushes before anyone evaluates or leaves, then a pull of every
 // tensor, so that every worker evaluates the same parameters (matters under
@@ -89,22 +94,29 @@ class EmberExchange final : public GradientExchange {
   // between keys.
   Status start(std::span<const Parameter> params) override;
 
-  // Enqueues push_pull for each tensor of the layer and flushes. Does not
-  // wait for replies. Errors: the send's (kClosed, kIo); kInternal when the
-  // client's step for a key is not the trainer's (a bug: a second push in a
-  // step).
-  Status gradients_ready(std::uint64_t step, std::size_t layer,
-                         std::span<const Parameter> layer_params) override;
+  // Enqueues push_pull for each tensor and flushes. Does not wait for
+  // replies. Errors: the send's (kClosed, kIo); kInternal when the client's
+  // step for a key is not the trainer's (a bug: a second push in a step),
+  // or a tensor was not passed to start().
+  Status gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) override;
 
-  // Waits for every push_pull of the step. Errors: the first failed
+  // Waits for the push_pull of each tensor still in flight. Errors: the
   // operation's (kWorkerLost, kStale, kTimeout, kClosed, ...) naming the
-  // tensor and step; every operation is waited for either way. kInternal
-  // when a reply says the server is behind the step just pushed.
+  // tensor and step; kInternal when the reply says the server is behind
+  // `step`.
+  Status await_parameters(std::uint64_t step, std::span<const Parameter> tensors) override;
+
+  // Nothing to wait for (see the file comment); ends the step's Pipeline
+  // scope (which flushes).
   Status finish_step(std::uint64_t step) override;
 
-  // Barrier, then a pull of every tensor into its value buffer. Blocks.
-  // Errors: the barrier's and the pulls' (kWorkerLost, kTimeout, kClosed),
-  // naming the epoch (and the tensor).
+  // Waits for every operation in flight; the first error, as
+  // await_parameters. Every operation is waited for either way.
+  Status sync() override;
+
+  // sync(), a barrier, then a pull of every tensor into its value buffer.
+  // Blocks. Errors: sync's, the barrier's and the pulls' (kWorkerLost,
+  // kTimeout, kClosed), naming the epoch (and the tensor).
   Status finish_epoch(std::uint32_t epoch) override;
 
   // Tensors registered by start() (2 per layer).
@@ -115,14 +127,24 @@ class EmberExchange final : public GradientExchange {
     Handle handle;
     std::uint64_t key = 0;
     std::string name;
+    std::uint64_t min_reply_step = 0;  // the reply must be at least this step
   };
-  // Waits for every in-flight operation; returns the first error with
-  // `what` and the tensor named. Clears the list and ends the pipeline.
-  Status drain(std::string_view what, std::uint64_t min_reply_step);
+  // Waits for one operation; its error (or a reply step below
+  // min_reply_step) with `what` and the tensor named.
+  static Status finish(const InFlight& op, std::string_view what);
+  // Waits for every in-flight operation (per tensor and the list); returns
+  // the first error. Clears both and ends the pipeline.
+  Status drain(std::string_view what);
+  // Index of `p` in tensors_, or an error when start() did not register it.
+  Result<std::size_t> index_of(const Parameter& p) const;
 
   Worker* worker_;
   std::vector<Parameter> tensors_;  // key order, as passed to start()
   std::optional<Pipeline> pipeline_;
+  std::uint64_t pipeline_step_ = 0;
+  // Per tensor (tensors_ order): its push_pull in flight, if any.
+  std::vector<std::optional<InFlight>> pending_;
+  // init / pull operations of start() and finish_epoch().
   std::vector<InFlight> in_flight_;
 };
 

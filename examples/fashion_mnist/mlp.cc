@@ -1,6 +1,7 @@
 // MLP forward/backward with Eigen (see mlp.h for shapes and contracts).
 #include "examples/fashion_mnist/mlp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -42,7 +43,12 @@ Result<Mlp> Mlp::create(MlpSpec spec, std::size_t max_batch_size) {
     return make_error(ErrorCode::kInvalidArgument, "MLP: max_batch_size must be > 0");
   }
   const std::size_t num_layers = sizes.size() - 1;
-  const std::uint64_t num_tensors = 2 * std::uint64_t{num_layers};
+  std::uint64_t num_tensors = 0;  // W blocks and biases, all layers
+  for (std::size_t l = 0; l < num_layers; ++l) {
+    const std::size_t rows = sizes[l + 1];
+    const std::size_t block = spec.block_rows == 0 || spec.block_rows >= rows ? rows : spec.block_rows;
+    num_tensors += (rows + block - 1) / block + 1;
+  }
   if (spec.first_key > std::numeric_limits<std::uint64_t>::max() - (num_tensors - 1)) {
     return make_error(ErrorCode::kInvalidArgument,
                       "MLP: first_key {} leaves no room for {} consecutive keys", spec.first_key,
@@ -52,6 +58,7 @@ Result<Mlp> Mlp::create(MlpSpec spec, std::size_t max_batch_size) {
   Mlp model;
   model.max_batch_size_ = max_batch_size;
   std::size_t offset = 0;
+  std::uint64_t key = spec.first_key;
   for (std::size_t l = 0; l < num_layers; ++l) {
     std::size_t weight_size = 0;
     if (__builtin_mul_overflow(sizes[l + 1], sizes[l], &weight_size) ||
@@ -59,19 +66,32 @@ Result<Mlp> Mlp::create(MlpSpec spec, std::size_t max_batch_size) {
       return make_error(ErrorCode::kInvalidArgument, "MLP: layer {} ({}x{}) is too large", l,
                         sizes[l + 1], sizes[l]);
     }
-    Parameter weight;
-    weight.key = spec.first_key + 2 * l;
-    weight.name = fmt::format("W{}", l + 1);
-    weight.rows = sizes[l + 1];
-    weight.cols = sizes[l];
-    weight.offset = offset - weight_size - sizes[l + 1];
+    const std::size_t rows = sizes[l + 1];
+    const std::size_t block = spec.block_rows == 0 || spec.block_rows >= rows ? rows : spec.block_rows;
+    const std::size_t num_blocks = (rows + block - 1) / block;
+    model.layers_.push_back(LayerTensors{model.params_.size(), num_blocks});
+    const std::size_t weight_offset = offset - weight_size - rows;
+    for (std::size_t begin = 0; begin < rows; begin += block) {
+      const std::size_t n = std::min(block, rows - begin);
+      Parameter weight;
+      weight.key = key++;
+      weight.name = num_blocks == 1 ? fmt::format("W{}", l + 1)
+                                    : fmt::format("W{}[{}:{}]", l + 1, begin, begin + n);
+      weight.layer = l;
+      weight.row_begin = begin;
+      weight.rows = n;
+      weight.cols = sizes[l];
+      weight.offset = weight_offset + begin * sizes[l];
+      model.params_.push_back(std::move(weight));
+    }
     Parameter bias;
-    bias.key = weight.key + 1;
+    bias.key = key++;
     bias.name = fmt::format("b{}", l + 1);
-    bias.rows = sizes[l + 1];
+    bias.layer = l;
+    bias.is_bias = true;
+    bias.rows = rows;
     bias.cols = 1;
-    bias.offset = weight.offset + weight_size;
-    model.params_.push_back(std::move(weight));
+    bias.offset = weight_offset + weight_size;
     model.params_.push_back(std::move(bias));
   }
   model.num_parameters_ = offset;
@@ -136,6 +156,19 @@ Status Mlp::bind_tensors(std::span<const std::span<float>> values,
       }
     }
   }
+  for (const LayerTensors& layer : layers_) {
+    for (std::size_t k = 1; k < layer.num_blocks; ++k) {
+      const std::size_t i = layer.first_tensor + k;
+      if (values[i].data() != values[i - 1].data() + values[i - 1].size() ||
+          grads[i].data() != grads[i - 1].data() + grads[i - 1].size()) {
+        return make_error(ErrorCode::kInvalidArgument,
+                          "MLP bind: the buffers of row block {} do not follow those of {} in "
+                          "memory; a layer's weight blocks must be adjacent, in order (or use "
+                          "bind with one buffer)",
+                          params_[i].name, params_[i - 1].name);
+      }
+    }
+  }
   for (std::size_t i = 0; i < params_.size(); ++i) {
     params_[i].value = values[i];
     params_[i].grad = grads[i];
@@ -148,11 +181,12 @@ Status Mlp::bind_tensors(std::span<const std::span<float>> values,
 void Mlp::init_he(std::uint64_t seed) {
   EMBER_CHECK_MSG(bound_, "Mlp::init_he before bind");
   for (std::size_t l = 0; l < num_layers(); ++l) {
-    Parameter& weight = params_[2 * l];
-    SplitMix64 rng(derive_seed(seed, weight.key));
-    const double stddev = std::sqrt(2.0 / static_cast<double>(weight.cols));
-    for (float& w : weight.value) w = static_cast<float>(stddev * rng.normal());
-    for (float& b : params_[2 * l + 1].value) b = 0.0f;
+    // One stream per weight, keyed by the key the whole weight has without
+    // row blocks (first_key + 2l): the values do not depend on block_rows.
+    SplitMix64 rng(derive_seed(seed, spec_.first_key + 2 * l));
+    const double stddev = std::sqrt(2.0 / static_cast<double>(spec_.layer_sizes[l]));
+    for (float& w : weight_values(l)) w = static_cast<float>(stddev * rng.normal());
+    for (float& b : bias(l).value) b = 0.0f;
   }
 }
 
@@ -163,22 +197,38 @@ Eigen::Ref<Eigen::MatrixXf> Mlp::input(std::size_t batch_size) {
 }
 
 ForwardStats Mlp::forward(std::size_t batch_size, std::span<const std::uint8_t> labels) {
+  Result<ForwardStats> r = forward(batch_size, labels, TensorsFn());
+  EMBER_CHECK(r.has_value());  // no hook, no error
+  return *r;
+}
+
+Result<ForwardStats> Mlp::forward(std::size_t batch_size, std::span<const std::uint8_t> labels,
+                                  const TensorsFn& before_read) {
   EMBER_CHECK_MSG(bound_, "Mlp::forward before bind");
   EMBER_CHECK_MSG(batch_size > 0 && batch_size <= max_batch_size_,
                   "batch of {} samples, model sized for 1..{}", batch_size, max_batch_size_);
   EMBER_CHECK(labels.size() == batch_size);
   const auto batch = static_cast<Eigen::Index>(batch_size);
   const std::size_t layers = num_layers();
+  batch_size_ = 0;  // no backward after a failed forward
 
   for (std::size_t l = 0; l < layers; ++l) {
-    const Parameter& weight = params_[2 * l];
-    const Parameter& bias = params_[2 * l + 1];
-    ConstMatrixMap w(weight.value.data(), static_cast<Eigen::Index>(weight.rows),
-                     static_cast<Eigen::Index>(weight.cols));
-    ConstVectorMap b(bias.value.data(), static_cast<Eigen::Index>(bias.rows));
+    const LayerTensors& lt = layers_[l];
+    const Parameter& b_param = params_[lt.first_tensor + lt.num_blocks];
+    if (before_read) EMBER_TRY(before_read(std::span<const Parameter>(&b_param, 1)));
+    ConstVectorMap b(b_param.value.data(), static_cast<Eigen::Index>(b_param.rows));
     auto in = l == 0 ? input_.leftCols(batch) : activations_[l - 1].leftCols(batch);
     auto out = activations_[l].leftCols(batch);
-    out.noalias() = w * in;
+    // Row block by row block (the same arithmetic with or without a hook).
+    for (std::size_t k = 0; k < lt.num_blocks; ++k) {
+      const Parameter& w_param = params_[lt.first_tensor + k];
+      if (before_read) EMBER_TRY(before_read(std::span<const Parameter>(&w_param, 1)));
+      ConstMatrixMap w(w_param.value.data(), static_cast<Eigen::Index>(w_param.rows),
+                       static_cast<Eigen::Index>(w_param.cols));
+      auto rows = out.middleRows(static_cast<Eigen::Index>(w_param.row_begin),
+                                 static_cast<Eigen::Index>(w_param.rows));
+      rows.noalias() = w * in;
+    }
     out.colwise() += b;
     if (l + 1 < layers) out = out.cwiseMax(0.0f);
   }
@@ -218,31 +268,40 @@ ForwardStats Mlp::forward(std::size_t batch_size, std::span<const std::uint8_t> 
   return stats;
 }
 
-Status Mlp::backward(const LayerReadyFn& on_layer_ready) {
+Status Mlp::backward(const TensorsFn& on_ready) {
   EMBER_CHECK_MSG(batch_size_ > 0, "Mlp::backward without a forward since the last backward or bind");
   const auto batch = static_cast<Eigen::Index>(batch_size_);
   batch_size_ = 0;
   for (std::size_t l = num_layers(); l-- > 0;) {
-    const Parameter& weight = params_[2 * l];
-    const Parameter& bias = params_[2 * l + 1];
-    const auto rows = static_cast<Eigen::Index>(weight.rows);
-    const auto cols = static_cast<Eigen::Index>(weight.cols);
+    const LayerTensors& lt = layers_[l];
+    const auto rows = static_cast<Eigen::Index>(spec_.layer_sizes[l + 1]);
+    const auto cols = static_cast<Eigen::Index>(spec_.layer_sizes[l]);
     auto delta = deltas_[l].leftCols(batch);
     auto in = l == 0 ? input_.leftCols(batch) : activations_[l - 1].leftCols(batch);
-    MatrixMap grad_w(weight.grad.data(), rows, cols);
-    VectorMap grad_b(bias.grad.data(), rows);
-    grad_w.noalias() = delta * in.transpose();
-    grad_b.noalias() = delta.rowwise().sum();
     if (l > 0) {
       // The last read of this layer's weights in this step: after it the
-      // callback may let new values land in place.
-      ConstMatrixMap w(weight.value.data(), rows, cols);
+      // callbacks may let new values land in place.
+      ConstMatrixMap w(weight_values(l).data(), rows, cols);
       auto prev_delta = deltas_[l - 1].leftCols(batch);
       prev_delta.noalias() = w.transpose() * delta;
       // relu'(z) is 1 where the stored activation relu(z) is > 0.
       prev_delta.array() *= (activations_[l - 1].leftCols(batch).array() > 0.0f).cast<float>();
     }
-    EMBER_TRY(on_layer_ready(l));
+    const Parameter& b_param = params_[lt.first_tensor + lt.num_blocks];
+    VectorMap grad_b(b_param.grad.data(), rows);
+    grad_b.noalias() = delta.rowwise().sum();
+    EMBER_TRY(on_ready(std::span<const Parameter>(&b_param, 1)));
+    // Each row block's gradient is reported as soon as it is computed, so
+    // its exchange overlaps with the next blocks and the layers below.
+    for (std::size_t k = 0; k < lt.num_blocks; ++k) {
+      const Parameter& w_param = params_[lt.first_tensor + k];
+      const auto block_rows = static_cast<Eigen::Index>(w_param.rows);
+      MatrixMap grad_w(w_param.grad.data(), block_rows, cols);
+      grad_w.noalias() =
+          delta.middleRows(static_cast<Eigen::Index>(w_param.row_begin), block_rows) *
+          in.transpose();
+      EMBER_TRY(on_ready(std::span<const Parameter>(&w_param, 1)));
+    }
   }
   return ok_status();
 }

@@ -12,6 +12,18 @@
 // key 2, b2 [128] key 3, W3 [10,128] key 4, b3 [10] key 5: 235,146 floats.
 // Keys are stable: they are the parameter server's keys.
 //
+// Row blocks (MlpSpec::block_rows = R > 0): a weight with more than R rows is
+// held as ceil(rows / R) tensors of R rows each (the last may be shorter),
+// named "W1[0:32]", "W1[32:64]", ..., each with its own key; keys stay
+// consecutive in packing order (the blocks of W_l, then b_l). A row block of
+// a row-major matrix is a contiguous slice of it, so the packing (offsets)
+// is the same as without blocks. E.g. R = 64 on the default net: W1 blocks
+// keys 0-3, b1 key 4, W2 blocks keys 5-6, b2 key 7, W3 key 8, b3 key 9.
+// Why: backward computes and reports each block's gradient on its own, so
+// its exchange overlaps with the rest of backward (DDP's gradient buckets,
+// Li et al., "PyTorch Distributed", VLDB 2020), and forward can start on a
+// layer's first rows while its last rows' parameters are still arriving.
+//
 // The model does not own its parameters or gradients: the caller binds
 // float buffers (bind / bind_tensors), so that a worker can place them in
 // page-pool memory and send them from there without a copy. The model owns
@@ -24,12 +36,17 @@
 // mean over the batch of -log softmax(logits)[label]. Backward computes the
 // gradient of that mean loss.
 //
-// Overlap contract: backward visits the layers last to first. As soon as
-// layer l's gradients are final AND the model has finished reading layer l's
-// parameters for this step, it calls on_layer_ready(l). From then until the
-// next forward, the model neither reads layer l's values nor writes its
-// gradients, so the callback may send the gradients and let new parameter
-// values land in place (a pull) while backward goes on with layer l-1.
+// Overlap contract: backward visits the layers last to first; in each layer
+// it first reads the weights (for the previous layer's delta), then produces
+// b_l's gradient and each row block of W_l's, first rows first. As soon as a
+// tensor's gradient is final AND the model has finished reading its values
+// for this step, it calls on_ready({tensor}). From then until forward asks
+// for that tensor again (its before_read hook), the model neither reads the
+// tensor's values nor writes its gradient, so the callback may send the
+// gradient and let new parameter values land in place (a pull) while
+// backward goes on. Forward with a before_read hook calls it for each tensor
+// right before its first read (layer by layer: b_l, then W_l's blocks in row
+// order), so a caller can wait there for exactly that tensor's new values.
 //
 // He initialisation: W ~ N(0, 2 / fan_in) (He, Zhang, Ren, Sun, "Delving Deep
 // into Rectifiers", ICCV 2015), b = 0, drawn from SplitMix64 streams derived
@@ -52,20 +69,32 @@
 
 namespace ember::fashion_mnist {
 
+// The row block fmnist-worker and fmnist-baseline use by default: W1 in 8
+// blocks of 32 x 784 (98 KiB each), W2 in 4 (32 KiB each). Small enough that
+// the last block's round trip is short next to the forward of the others;
+// large enough that each goes as one message.
+inline constexpr std::size_t kDefaultBlockRows = 32;
+
 struct MlpSpec {
   // Widths: inputs, hidden layers..., outputs (classes). At least 2 entries,
   // all > 0.
   std::vector<std::size_t> layer_sizes{784, 256, 128, 10};
   // Key of W1; the others follow (see the table above).
   std::uint64_t first_key = 0;
+  // 0: one tensor per weight. R > 0: weights with more than R rows are cut
+  // into row blocks of R rows (see "Row blocks" above).
+  std::size_t block_rows = 0;
 };
 
 // One parameter tensor and, once bound, its value and gradient buffers
 // (caller-owned; valid for as long as the caller keeps them alive).
 struct Parameter {
   std::uint64_t key = 0;
-  std::string name;        // "W1", "b1", ...
-  std::size_t rows = 0;    // outputs of the layer
+  std::string name;        // "W1", "b1", "W1[0:64]" (a row block), ...
+  std::size_t layer = 0;   // 0-based layer this tensor belongs to
+  bool is_bias = false;
+  std::size_t row_begin = 0;  // first row of the layer's weight (0 for b)
+  std::size_t rows = 0;    // rows of this tensor (outputs of the layer, or of the block)
   std::size_t cols = 0;    // inputs of the layer for W, 1 for b
   std::size_t offset = 0;  // floats from the start of a contiguous packing (bind)
   std::span<float> value;  // rows*cols float32, row-major
@@ -78,9 +107,10 @@ struct ForwardStats {
   std::size_t correct = 0;  // samples whose arg-max logit equals the label
 };
 
-// Called by backward once per layer, last layer first (see the overlap
-// contract). An error stops backward and is returned by it.
-using LayerReadyFn = std::function<Status(std::size_t layer)>;
+// Called by backward once per tensor (see the overlap contract) with a span
+// of that one tensor; by forward's before_read for each tensor before its
+// first read. An error stops backward (forward) and is returned by it.
+using TensorsFn = std::function<Status(std::span<const Parameter> tensors)>;
 
 class Mlp {
  public:
@@ -104,9 +134,11 @@ class Mlp {
 
   // The tensors in key order; value/grad are empty until bound.
   std::span<const Parameter> parameters() const { return params_; }
-  // The two tensors (W, b) of layer l. pre: l < num_layers().
+  // The tensors of layer l: W_l's row blocks (or W_l), then b_l.
+  // pre: l < num_layers().
   std::span<const Parameter> layer_parameters(std::size_t layer) const {
-    return std::span<const Parameter>(params_).subspan(2 * layer, 2);
+    return std::span<const Parameter>(params_).subspan(layers_[layer].first_tensor,
+                                                       layers_[layer].num_blocks + 1);
   }
 
   // Binds one contiguous buffer for all values and one for all gradients;
@@ -115,8 +147,10 @@ class Mlp {
   // kInvalidArgument when the two buffers overlap.
   Status bind(std::span<float> values, std::span<float> grads);
   // Binds one buffer per tensor, in key order. Errors: kInvalidArgument when
-  // the counts are not 2 * num_layers() or two buffers overlap;
-  // kShapeMismatch naming the tensor when a buffer's size differs from it.
+  // the counts are not parameters().size(), two buffers overlap, or the row
+  // blocks of one weight are not adjacent in order in memory (a layer's
+  // weight is used as one matrix); kShapeMismatch naming the tensor when a
+  // buffer's size differs from it.
   Status bind_tensors(std::span<const std::span<float>> values,
                       std::span<const std::span<float>> grads);
   bool bound() const { return bound_; }
@@ -135,22 +169,42 @@ class Mlp {
   // allocate. pre: bound(), 0 < batch_size <= max_batch_size(),
   // labels.size() == batch_size, every label < num_outputs().
   ForwardStats forward(std::size_t batch_size, std::span<const std::uint8_t> labels);
+  // The same, calling before_read({tensor}) for each tensor right before its
+  // first read (overlap contract). Returns before_read's first error (the
+  // forward stops there; backward must not follow).
+  Result<ForwardStats> forward(std::size_t batch_size, std::span<const std::uint8_t> labels,
+                               const TensorsFn& before_read);
 
   // Gradient of the last forward's mean loss into the bound grad buffers
-  // (overwritten, not accumulated), calling on_layer_ready(l) for
-  // l = num_layers()-1 down to 0 (overlap contract above). Does not
-  // allocate. Returns the first error on_layer_ready returns (backward stops
-  // there). pre: a forward since the last bind; not called twice for one
-  // forward.
-  Status backward(const LayerReadyFn& on_layer_ready);
+  // (overwritten, not accumulated), calling on_ready({tensor}) once per
+  // tensor, layers last to first, within a layer b_l then W_l's blocks in
+  // row order (overlap contract above). Does not allocate. Returns the first
+  // error on_ready returns (backward stops there). pre: a forward since the
+  // last bind; not called twice for one forward.
+  Status backward(const TensorsFn& on_ready);
 
  private:
   Mlp() = default;
+  // Layer l's whole weight ([rows, cols] row-major, its blocks adjacent) and
+  // its bias. pre: bound().
+  std::span<float> weight_values(std::size_t l) const {
+    const Parameter& first = params_[layers_[l].first_tensor];
+    return {first.value.data(), spec_.layer_sizes[l + 1] * spec_.layer_sizes[l]};
+  }
+  const Parameter& bias(std::size_t l) const {
+    return params_[layers_[l].first_tensor + layers_[l].num_blocks];
+  }
 
   MlpSpec spec_;
   std::size_t max_batch_size_ = 0;
   std::size_t num_parameters_ = 0;
   std::vector<Parameter> params_;
+  // Per layer: where its tensors sit in params_ (W blocks, then b).
+  struct LayerTensors {
+    std::size_t first_tensor = 0;
+    std::size_t num_blocks = 0;  // tensors of W_l (1 without row blocks)
+  };
+  std::vector<LayerTensors> layers_;
   bool bound_ = false;
 
   // Workspace, each with max_batch_size_ columns: the input batch,

@@ -31,6 +31,15 @@
 // arithmetic in float32; the scalars lr / (1 - beta1^t) and
 // sqrt(1 - beta2^t) are computed in double and rounded to float once per step.
 //
+// Same bits as the server: where Ember's server supports the options (sgd
+// and momentum without dampening, Adam, lr > 0, eps > 0), step() runs the
+// server's own update (server/optimizer.h, linked from ember_server_core),
+// so a one-process run and a 1-worker Ember job compute identical parameters
+// (a separately written loop differs in how the compiler fuses a * b + c into
+// FMAs, an ulp here and there that training amplifies). Other options
+// (dampening, lr == 0, eps == 0) use an Eigen implementation of the same
+// formulas.
+//
 // State is per key: created (zero, step 0) on the first step() for a key,
 // sized from that call. Each key counts its own steps t.
 //

@@ -41,11 +41,9 @@ Status LocalExchange::start(std::span<const Parameter> params) {
   return ok_status();
 }
 
-Status LocalExchange::gradients_ready(std::uint64_t step, std::size_t layer,
-                                      std::span<const Parameter> layer_params) {
+Status LocalExchange::gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) {
   (void)step;
-  (void)layer;
-  for (const Parameter& p : layer_params) EMBER_TRY(optimizer_->step(p.key, p.value, p.grad));
+  for (const Parameter& p : tensors) EMBER_TRY(optimizer_->step(p.key, p.value, p.grad));
   return ok_status();
 }
 
@@ -123,9 +121,15 @@ Result<EpochStats> Trainer::run_epoch() {
 
   double exchange_seconds = 0.0;
   std::uint64_t current_step = 0;
-  const LayerReadyFn on_layer_ready = [&](std::size_t layer) -> Status {
+  const TensorsFn on_ready = [&](std::span<const Parameter> tensors) -> Status {
     const Clock::time_point t0 = Clock::now();
-    Status s = exchange_->gradients_ready(current_step, layer, model_->layer_parameters(layer));
+    Status s = exchange_->gradients_ready(current_step, tensors);
+    exchange_seconds += seconds_between(t0, Clock::now());
+    return s;
+  };
+  const TensorsFn before_read = [&](std::span<const Parameter> tensors) -> Status {
+    const Clock::time_point t0 = Clock::now();
+    Status s = exchange_->await_parameters(current_step, tensors);
     exchange_seconds += seconds_between(t0, Clock::now());
     return s;
   };
@@ -142,15 +146,17 @@ Result<EpochStats> Trainer::run_epoch() {
     current_step = step_;
     const auto batch_indices = std::span<const std::uint32_t>(indices_).subspan(s * batch, batch);
     gather_batch(*train_, batch_indices, model_->input(batch), labels_);
-    const ForwardStats forward =
-        model_->forward(batch, std::span<const std::uint8_t>(labels_).first(batch));
+    Result<ForwardStats> forwarded =
+        model_->forward(batch, std::span<const std::uint8_t>(labels_).first(batch), before_read);
+    if (!forwarded) return step_error(forwarded.error(), s);
+    const ForwardStats forward = *forwarded;
     if (!std::isfinite(forward.loss)) {
       return make_error(ErrorCode::kInvalidArgument,
                         "training diverged: the loss is {} at epoch {} step {}; lower the learning "
                         "rate",
                         forward.loss, epoch, s + 1);
     }
-    if (Status st = model_->backward(on_layer_ready); !st) return step_error(st.error(), s);
+    if (Status st = model_->backward(on_ready); !st) return step_error(st.error(), s);
     const Clock::time_point t0 = Clock::now();
     Status finished = exchange_->finish_step(current_step);
     exchange_seconds += seconds_between(t0, Clock::now());
@@ -164,7 +170,8 @@ Result<EpochStats> Trainer::run_epoch() {
   }
   {
     const Clock::time_point t0 = Clock::now();
-    Status finished = exchange_->finish_epoch(epoch);
+    Status finished = exchange_->sync();
+    if (finished) finished = exchange_->finish_epoch(epoch);
     exchange_seconds += seconds_between(t0, Clock::now());
     if (!finished) {
       Error e = finished.error();

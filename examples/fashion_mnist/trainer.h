@@ -5,10 +5,17 @@
 // parameters) and reuses everything else.
 //
 // One step, on the training thread:
-//   gather this rank's batch (sampler.h) -> Mlp::forward -> Mlp::backward,
-//   which calls exchange.gradients_ready(step, l, W_l/b_l) for the last layer
-//   first, as soon as each layer is done -> exchange.finish_step(step), which
-//   returns when the parameters for the next step are in the value buffers.
+//   gather this rank's batch (sampler.h) -> Mlp::forward, which calls
+//   exchange.await_parameters(step, {tensor}) right before it first reads
+//   each tensor -> Mlp::backward, which calls
+//   exchange.gradients_ready(step, {tensor}) for each tensor as soon as its
+//   gradient is final (last layer first, row blocks in order) ->
+//   exchange.finish_step(step).
+// So the round trip of a tensor's push_pull overlaps with the rest of
+// backward, and with the next step's data gathering and the forward of every
+// tensor before it: the training thread waits only for values that have not
+// arrived when it needs them (no per-step barrier). After an epoch's last
+// step: exchange.sync() (every operation in), then finish_epoch.
 // The time spent inside the exchange calls is the time the training thread
 // is blocked on communication; EpochStats::communication_share() divides it
 // by the step time (the "communication share").
@@ -34,9 +41,11 @@ namespace ember::fashion_mnist {
 
 // How a training process exchanges gradients for parameters. Every method is
 // called on the training thread, in this order: start once; then per step
-// gradients_ready once per layer (last layer first) and finish_step once;
-// finish_epoch after an epoch's last step. `step` counts from 0 across
-// epochs and is the same on every rank.
+// await_parameters once per tensor (forward order, from step 1 on; a step's
+// first forward finds the values start() left), gradients_ready once per
+// tensor (backward order) and finish_step once; after an epoch's last step
+// sync, then finish_epoch. `step` counts from 0 across epochs and is the same
+// on every rank.
 //
 // Buffer ownership: the Parameter spans are the model's bound buffers,
 // owned by whoever bound them (for a worker: page-pool blocks it allocated).
@@ -51,19 +60,35 @@ class GradientExchange {
   // pulls). May block. An error stops training.
   virtual Status start(std::span<const Parameter> params) = 0;
 
-  // Layer `layer`'s gradients for `step` are final (mean over this rank's
-  // batch) and the model has finished reading its values: from now until
-  // finish_step(step) returns, the exchange may read these grad buffers and
-  // overwrite these value buffers (a pull landing in place), e.g. from an
-  // I/O thread. Should enqueue and return rather than wait: backward of the
-  // layers below runs after it returns. An error stops the step and training.
-  virtual Status gradients_ready(std::uint64_t step, std::size_t layer,
-                                 std::span<const Parameter> layer_params) = 0;
+  // Step `step` is about to read `tensors`' values (forward): blocks until
+  // they hold the parameters for `step` (those after the gradients of
+  // step - 1) and their grad buffers are no longer in use (the next backward
+  // overwrites them). Default: nothing (an exchange that completes
+  // everything in gradients_ready or finish_step). An error stops training.
+  virtual Status await_parameters(std::uint64_t step, std::span<const Parameter> tensors) {
+    (void)step;
+    (void)tensors;
+    return ok_status();
+  }
 
-  // After backward. Blocks until every value buffer holds the parameters for
-  // step + 1 and no gradient buffer is in use any more (the next backward
-  // overwrites them). An error stops training.
+  // `tensors`' gradients for `step` are final (mean over this rank's batch)
+  // and the model has finished reading their values: from now until
+  // await_parameters(step + 1, them) or sync() returns, the exchange may read
+  // these grad buffers and overwrite these value buffers (a pull landing in
+  // place), e.g. from an I/O thread. Should enqueue and return rather than
+  // wait: backward of the other tensors runs after it returns. An error stops
+  // the step and training.
+  virtual Status gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) = 0;
+
+  // After backward. May return before the values for step + 1 are in (they
+  // are awaited tensor by tensor); an exchange that blocks here instead is
+  // correct too, just with less overlap. An error stops training.
   virtual Status finish_step(std::uint64_t step) = 0;
+
+  // After the last finish_step of an epoch (and before evaluation): blocks
+  // until every operation is complete and every value buffer holds the
+  // latest parameters. Default: nothing. An error stops training.
+  virtual Status sync() { return ok_status(); }
 
   // After the last finish_step of epoch `epoch` (1-based), before the
   // evaluation (e.g. a barrier). Default: nothing.
@@ -73,16 +98,15 @@ class GradientExchange {
   }
 };
 
-// The exchange of a single process: applies `optimizer` to each layer's
-// tensors as soon as its gradients are ready, in place (the overlap contract
+// The exchange of a single process: applies `optimizer` to each tensor as
+// soon as its gradient is ready, in place (the overlap contract
 // allows that), exactly as a BSP server with one worker would. Its "blocked"
 // time is the optimizer's compute. The optimizer is borrowed.
 class LocalExchange final : public GradientExchange {
  public:
   explicit LocalExchange(Optimizer& optimizer) : optimizer_(&optimizer) {}
   Status start(std::span<const Parameter> params) override;
-  Status gradients_ready(std::uint64_t step, std::size_t layer,
-                         std::span<const Parameter> layer_params) override;
+  Status gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) override;
   Status finish_step(std::uint64_t step) override;
 
  private:

@@ -60,6 +60,7 @@ struct Options {
   std::uint64_t seed = 1;
   std::size_t max_steps_per_epoch = 0;
   std::size_t eval_batch_size = 1000;
+  std::size_t block_rows = fm::kDefaultBlockRows;
   std::size_t max_eval_samples = 0;
   std::size_t progress_every = 10;
   bool initial_eval = false;
@@ -163,6 +164,7 @@ class Run {
     spec.layer_sizes.assign({data.train.num_features()});
     spec.layer_sizes.insert(spec.layer_sizes.end(), o_.hidden.begin(), o_.hidden.end());
     spec.layer_sizes.push_back(fm::kNumClasses);
+    spec.block_rows = o_.block_rows;
 
     EMBER_ASSIGN_OR_RETURN(fm::Mlp model, fm::Mlp::create(spec, fm::required_max_batch_size(topt)));
     EMBER_ASSIGN_OR_RETURN(fm::PoolModelBuffers buffers, fm::bind_pool_buffers(*worker, model));
@@ -270,6 +272,10 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_option("--max-steps-per-epoch", o.max_steps_per_epoch,
                    "Stop each epoch after this many steps (0: full epochs)")
+        ->capture_default_str();
+    app.add_option("--block-rows", o.block_rows,
+                   "Rows per weight block exchanged on its own (0: whole tensors; the worker and "
+                   "the baseline must agree for identical arithmetic)")
         ->capture_default_str();
     app.add_option("--eval-batch-size", o.eval_batch_size, "Samples per forward when evaluating")
         ->capture_default_str()

@@ -91,6 +91,39 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
+// One process, no Ember: the tests' model and seed, momentum SGD lr 0.05
+// m 0.9 (the server's config), `batch` samples per step for `steps` steps,
+// row blocks of `block_rows`. Returns the parameters (key order, packed).
+std::vector<float> train_one_process(const FashionMnist& data, std::size_t batch,
+                                     std::size_t steps, std::size_t block_rows) {
+  TrainerOptions o;
+  o.batch_size = batch;
+  o.epochs = 1;
+  o.seed = 1;
+  o.max_steps_per_epoch = steps;
+  o.eval_batch_size = 500;
+  o.max_eval_samples = 500;
+  MlpSpec spec;
+  spec.layer_sizes = {kImagePixels, kHidden, kNumClasses};
+  spec.block_rows = block_rows;
+  auto model = Mlp::create(spec, required_max_batch_size(o));
+  EMBER_CHECK(model.has_value());
+  std::vector<float> values(model->num_parameters());
+  std::vector<float> grads(model->num_parameters());
+  EMBER_CHECK(model->bind(values, grads).has_value());
+  SgdOptions sgd;
+  sgd.lr = 0.05;
+  sgd.momentum = 0.9;
+  auto optimizer = make_sgd(sgd);
+  EMBER_CHECK(optimizer.has_value());
+  LocalExchange exchange(**optimizer);
+  auto trainer = Trainer::create(o, *model, data.train, data.test, exchange);
+  EMBER_CHECK(trainer.has_value());
+  auto run = trainer->run();
+  EMBER_CHECK(run.has_value());
+  return values;
+}
+
 class FmnistJob : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -246,8 +279,11 @@ TEST_F(FmnistJob, BspTwoWorkersMatchOneProcessWithTheDoubledBatch) {
   auto server = start_server(config);
   ASSERT_NE(server, nullptr);
   auto args = [&](int rank) {
+    // Row blocks of 8: W1 [32,784] travels as 4 keys, overlapped with backward
+    // and awaited one by one in the next forward.
     return std::vector<std::string>{"--epochs", "1", "--max-steps-per-epoch",
                                     std::to_string(kSteps), "--progress-every", "0",
+                                    "--block-rows", "8",
                                     "--save-params", path(fmt::format("params-{}.bin", rank))};
   };
   auto w0 = start_worker(config, 0, args(0));
@@ -258,31 +294,7 @@ TEST_F(FmnistJob, BspTwoWorkersMatchOneProcessWithTheDoubledBatch) {
   auto data = load_fashion_mnist();
   ASSERT_TRUE(data.has_value()) << data.error().to_string();
   auto train_reference = [&](std::size_t steps) {
-    TrainerOptions o;
-    o.batch_size = 2 * kBatch;
-    o.epochs = 1;
-    o.seed = 1;
-    o.max_steps_per_epoch = steps;
-    o.eval_batch_size = 500;
-    o.max_eval_samples = 500;
-    MlpSpec spec;
-    spec.layer_sizes = {kImagePixels, kHidden, kNumClasses};
-    auto model = Mlp::create(spec, required_max_batch_size(o));
-    EMBER_CHECK(model.has_value());
-    std::vector<float> values(model->num_parameters());
-    std::vector<float> grads(model->num_parameters());
-    EMBER_CHECK(model->bind(values, grads).has_value());
-    SgdOptions sgd;
-    sgd.lr = 0.05;
-    sgd.momentum = 0.9;
-    auto optimizer = make_sgd(sgd);
-    EMBER_CHECK(optimizer.has_value());
-    LocalExchange exchange(**optimizer);
-    auto trainer = Trainer::create(o, *model, data->train, data->test, exchange);
-    EMBER_CHECK(trainer.has_value());
-    auto run = trainer->run();
-    EMBER_CHECK(run.has_value());
-    return values;
+    return train_one_process(*data, 2 * kBatch, steps, 8);
   };
   const std::vector<float> reference = train_reference(kSteps);
   const std::vector<float> one_step_short = train_reference(kSteps - 1);
@@ -305,6 +317,30 @@ TEST_F(FmnistJob, BspTwoWorkersMatchOneProcessWithTheDoubledBatch) {
   EXPECT_GT(step_diff, 50 * kTolerance);
   std::printf("max |ember - one process| = %.3g, one step = %.3g\n", diff, step_diff);
 
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
+}
+
+TEST_F(FmnistJob, OneWorkerComputesTheOneProcessParametersBitForBit) {
+  // One worker applies no averaging, and the baseline's optimizer runs the
+  // server's update code: every float must match, not just nearly.
+  constexpr std::size_t kSteps = 40;
+  const std::string config = write_config(1);
+  auto server = start_server(config);
+  ASSERT_NE(server, nullptr);
+  auto w0 = start_worker(config, 0,
+                         {"--epochs", "1", "--max-steps-per-epoch", std::to_string(kSteps),
+                          "--progress-every", "0", "--block-rows", "8", "--save-params",
+                          path("params.bin")});
+  auto data = load_fashion_mnist();
+  ASSERT_TRUE(data.has_value()) << data.error().to_string();
+  const std::vector<float> reference = train_one_process(*data, kBatch, kSteps, 8);
+  ASSERT_EQ(w0->wait_exit(kRunTimeout), 0) << describe(*w0);
+  const std::vector<float> p0 = read_floats(path("params.bin"));
+  ASSERT_EQ(p0.size(), reference.size());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < p0.size(); ++i) differ += std::memcmp(&p0[i], &reference[i], 4) != 0;
+  EXPECT_EQ(differ, 0u) << "max |ember - one process| = " << max_abs_diff(p0, reference);
   server->signal(SIGTERM);
   EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
 }

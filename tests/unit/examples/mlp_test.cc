@@ -44,7 +44,7 @@ void fill_random(Eigen::Ref<Eigen::MatrixXf> x, std::uint64_t seed) {
     for (Eigen::Index i = 0; i < x.rows(); ++i) x(i, j) = static_cast<float>(rng.normal());
 }
 
-Status no_op(std::size_t) { return ok_status(); }
+Status no_op(std::span<const Parameter>) { return ok_status(); }
 
 TEST(Mlp, CreateRejectsBadSpecs) {
   auto one = Mlp::create(MlpSpec{{784}, 0}, 8);
@@ -234,32 +234,115 @@ TEST(Mlp, GradientMatchesFiniteDifferencesOnTheFashionMnistNet) {
   check_gradient(m.model, 3, labels, 12, 6);
 }
 
-TEST(Mlp, BackwardReportsEachLayerLastFirstAfterItsLastUse) {
-  // Reference gradients from an undisturbed backward.
+TEST(Mlp, BackwardReportsEachTensorLastLayerFirstAfterItsLastUse) {
+  // Reference gradients from an undisturbed backward (no row blocks).
   Bound ref = make_bound({8, 6, 5, 4}, 4, 21);
   fill_random(ref.model.input(4), 2);
   const std::uint8_t labels[] = {1, 3, 0, 2};
   ref.model.forward(4, labels);
   ASSERT_TRUE(ref.model.backward(no_op));
 
-  Bound m = make_bound({8, 6, 5, 4}, 4, 21);
+  // With row blocks of 4: W1 [6,8] is 2 blocks, W2 [5,6] 2 blocks, W3 [4,5] one.
+  auto model = Mlp::create(MlpSpec{{8, 6, 5, 4}, 0, 4}, 4);
+  ASSERT_TRUE(model);
+  Bound m{std::move(*model), {}, {}};
+  m.values.resize(m.model.num_parameters());
+  m.grads.resize(m.model.num_parameters());
+  ASSERT_TRUE(m.model.bind(m.values, m.grads));
+  m.model.init_he(21);
+  EXPECT_EQ(m.values, ref.values) << "He init must not depend on block_rows";
   fill_random(m.model.input(4), 2);
   m.model.forward(4, labels);
-  std::vector<std::size_t> order;
-  const auto status = m.model.backward([&](std::size_t layer) -> Status {
-    order.push_back(layer);
-    const auto mine = m.model.layer_parameters(layer);
-    const auto want = ref.model.layer_parameters(layer);
-    for (std::size_t t = 0; t < 2; ++t) {
-      // Final when reported...
-      for (std::size_t i = 0; i < mine[t].size(); ++i) EXPECT_EQ(mine[t].grad[i], want[t].grad[i]);
-      // ...and no longer read: a pull may overwrite the values now.
-      for (float& v : mine[t].value) v = std::nanf("");
-    }
+  std::vector<std::string> order;
+  const auto status = m.model.backward([&](std::span<const Parameter> tensors) -> Status {
+    EXPECT_EQ(tensors.size(), 1u);
+    const Parameter& t = tensors[0];
+    order.push_back(t.name);
+    const std::span<const float> want_grad =
+        std::span<const float>(ref.grads).subspan(t.offset, t.size());
+    // Final when reported (same offsets: blocks are slices of the packing)...
+    for (std::size_t i = 0; i < t.size(); ++i) EXPECT_EQ(t.grad[i], want_grad[i]) << t.name;
+    // ...and no longer read: a pull may overwrite the values now.
+    for (float& v : t.value) v = std::nanf("");
     return ok_status();
   });
   ASSERT_TRUE(status);
-  EXPECT_THAT(order, ElementsAre(2, 1, 0));
+  EXPECT_THAT(order, ElementsAre("b3", "W3", "b2", "W2[0:4]", "W2[4:5]", "b1", "W1[0:4]",
+                                 "W1[4:6]"));
+}
+
+TEST(Mlp, ForwardAsksForEachTensorBeforeItsFirstRead) {
+  auto model = Mlp::create(MlpSpec{{8, 6, 4}, 0, 4}, 4);
+  ASSERT_TRUE(model);
+  Bound m{std::move(*model), {}, {}};
+  m.values.resize(m.model.num_parameters());
+  m.grads.resize(m.model.num_parameters());
+  ASSERT_TRUE(m.model.bind(m.values, m.grads));
+  m.model.init_he(5);
+  const std::vector<float> good = m.values;
+  fill_random(m.model.input(4), 3);
+  const std::uint8_t labels[] = {1, 3, 0, 2};
+  const ForwardStats want = m.model.forward(4, labels);
+
+  // Poison every value; the hook restores each tensor when asked. A tensor
+  // read before it was asked for would make the loss NaN.
+  for (float& v : m.values) v = std::nanf("");
+  std::vector<std::string> asked;
+  auto got = m.model.forward(4, labels, [&](std::span<const Parameter> tensors) -> Status {
+    for (const Parameter& t : tensors) {
+      asked.push_back(t.name);
+      std::copy_n(good.begin() + static_cast<std::ptrdiff_t>(t.offset), t.size(), t.value.begin());
+    }
+    return ok_status();
+  });
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->loss, want.loss);
+  EXPECT_EQ(got->correct, want.correct);
+  EXPECT_THAT(asked, ElementsAre("b1", "W1[0:4]", "W1[4:6]", "b2", "W2"));
+
+  // A hook error stops the forward and is returned; backward may not follow.
+  auto failed = m.model.forward(4, labels, [&](std::span<const Parameter> tensors) -> Status {
+    if (tensors[0].name == "W1[4:6]") return make_error(ErrorCode::kTimeout, "no reply");
+    return ok_status();
+  });
+  ASSERT_FALSE(failed);
+  EXPECT_EQ(failed.error().code(), ErrorCode::kTimeout);
+}
+
+TEST(Mlp, RowBlocksGetConsecutiveKeysAndMustBeBoundAdjacent) {
+  auto model = Mlp::create(MlpSpec{{784, 256, 128, 10}, 0, 64}, 4);
+  ASSERT_TRUE(model);
+  const auto params = model->parameters();
+  ASSERT_EQ(params.size(), 10u);
+  EXPECT_EQ(params[0].name, "W1[0:64]");
+  EXPECT_EQ(params[3].name, "W1[192:256]");
+  EXPECT_EQ(params[3].offset, 192u * 784);
+  EXPECT_EQ(params[3].rows, 64u);
+  EXPECT_EQ(params[3].row_begin, 192u);
+  EXPECT_EQ(params[4].name, "b1");
+  EXPECT_EQ(params[4].offset, 200704u);
+  EXPECT_EQ(params[5].name, "W2[0:64]");
+  EXPECT_EQ(params[8].name, "W3");
+  for (std::size_t i = 0; i < params.size(); ++i) EXPECT_EQ(params[i].key, i);
+  EXPECT_EQ(model->layer_parameters(0).size(), 5u);
+  EXPECT_EQ(model->num_parameters(), 235146u);
+
+  // bind_tensors with W1's blocks out of order is refused.
+  auto small = Mlp::create(MlpSpec{{2, 4, 2}, 0, 2}, 1);
+  ASSERT_TRUE(small);
+  // Tensors: W1[0:2] (4), W1[2:4] (4), b1 (4), W2 (8), b2 (2).
+  std::vector<float> v(22), g(22);
+  std::span<float> vs(v), gs(g);
+  std::vector<std::span<float>> values{vs.subspan(4, 4), vs.subspan(0, 4), vs.subspan(8, 4),
+                                       vs.subspan(12, 8), vs.subspan(20, 2)};
+  std::vector<std::span<float>> grads{gs.subspan(0, 4), gs.subspan(4, 4), gs.subspan(8, 4),
+                                      gs.subspan(12, 8), gs.subspan(20, 2)};
+  auto s = small->bind_tensors(values, grads);
+  ASSERT_FALSE(s);
+  EXPECT_EQ(s.error().code(), ErrorCode::kInvalidArgument);
+  EXPECT_THAT(s.error().message(), HasSubstr("W1[2:4] do not follow those of W1[0:2]"));
+  std::swap(values[0], values[1]);
+  EXPECT_TRUE(small->bind_tensors(values, grads));
 }
 
 TEST(Mlp, BackwardStopsAtTheFirstCallbackError) {
@@ -267,15 +350,15 @@ TEST(Mlp, BackwardStopsAtTheFirstCallbackError) {
   fill_random(m.model.input(2), 1);
   const std::uint8_t labels[] = {0, 1};
   m.model.forward(2, labels);
-  std::vector<std::size_t> order;
-  auto status = m.model.backward([&](std::size_t layer) -> Status {
-    order.push_back(layer);
-    if (layer == 1) return make_error(ErrorCode::kClosed, "server went away");
+  std::vector<std::string> order;
+  auto status = m.model.backward([&](std::span<const Parameter> tensors) -> Status {
+    order.push_back(tensors[0].name);
+    if (tensors[0].name == "W2") return make_error(ErrorCode::kClosed, "server went away");
     return ok_status();
   });
   ASSERT_FALSE(status);
   EXPECT_EQ(status.error().code(), ErrorCode::kClosed);
-  EXPECT_THAT(order, ElementsAre(2, 1));
+  EXPECT_THAT(order, ElementsAre("b3", "W3", "b2", "W2"));
 }
 
 TEST(Mlp, TrainingOnASmallBatchLowersTheLoss) {

@@ -62,15 +62,15 @@ class RecordingExchange final : public GradientExchange {
   std::chrono::microseconds spin{0};
   std::int64_t fail_at_step = -1;
   std::size_t start_tensors = 0;
+  bool record_awaits = false;
 
   Status start(std::span<const Parameter> params) override {
     calls.push_back("start");
     start_tensors = params.size();
     return ok_status();
   }
-  Status gradients_ready(std::uint64_t step, std::size_t layer,
-                         std::span<const Parameter> layer_params) override {
-    calls.push_back(fmt::format("ready {} {} {}", step, layer, layer_params[0].name));
+  Status gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) override {
+    calls.push_back(fmt::format("ready {} {}", step, tensors[0].name));
     if (static_cast<std::int64_t>(step) == fail_at_step) {
       return make_error(ErrorCode::kWorkerLost, "peer vanished");
     }
@@ -81,6 +81,14 @@ class RecordingExchange final : public GradientExchange {
     const auto until = std::chrono::steady_clock::now() + spin;
     while (std::chrono::steady_clock::now() < until) {
     }
+    return ok_status();
+  }
+  Status await_parameters(std::uint64_t step, std::span<const Parameter> tensors) override {
+    if (record_awaits) calls.push_back(fmt::format("await {} {}", step, tensors[0].name));
+    return ok_status();
+  }
+  Status sync() override {
+    calls.push_back("sync");
     return ok_status();
   }
   Status finish_epoch(std::uint32_t epoch) override {
@@ -154,10 +162,10 @@ TEST(Trainer, CallsTheExchangeInContractOrder) {
   EXPECT_EQ(ex.start_tensors, 4u);
   const std::vector<std::string> want = {
       "start",
-      "ready 0 1 W2", "ready 0 0 W1", "finish 0",
-      "ready 1 1 W2", "ready 1 0 W1", "finish 1", "epoch 1",
-      "ready 2 1 W2", "ready 2 0 W1", "finish 2",
-      "ready 3 1 W2", "ready 3 0 W1", "finish 3", "epoch 2"};
+      "ready 0 b2", "ready 0 W2", "ready 0 b1", "ready 0 W1", "finish 0",
+      "ready 1 b2", "ready 1 W2", "ready 1 b1", "ready 1 W1", "finish 1", "sync", "epoch 1",
+      "ready 2 b2", "ready 2 W2", "ready 2 b1", "ready 2 W1", "finish 2",
+      "ready 3 b2", "ready 3 W2", "ready 3 b1", "ready 3 W1", "finish 3", "sync", "epoch 2"};
   EXPECT_EQ(ex.calls, want);
   ASSERT_EQ(epochs->size(), 2u);
   EXPECT_EQ((*epochs)[1].epoch, 2u);
@@ -169,6 +177,26 @@ TEST(Trainer, CallsTheExchangeInContractOrder) {
   EXPECT_EQ(progress[3].step_in_epoch, 2u);
   EXPECT_EQ(progress[3].steps_in_epoch, 2u);
   EXPECT_EQ(trainer->steps_done(), 4u);
+}
+
+TEST(Trainer, AwaitsEachTensorInForwardOrderBeforeReadingIt) {
+  Fixture f;
+  RecordingExchange ex;
+  ex.record_awaits = true;
+  Bound m = make_bound(50);
+  TrainerOptions o = small_options(8);
+  o.epochs = 1;
+  o.max_steps_per_epoch = 2;
+  auto trainer = Trainer::create(o, m.model, f.train, f.test, ex);
+  ASSERT_TRUE(trainer);
+  ASSERT_TRUE(trainer->run());
+  const std::vector<std::string> want = {
+      "start",
+      "await 0 b1", "await 0 W1", "await 0 b2", "await 0 W2",
+      "ready 0 b2", "ready 0 W2", "ready 0 b1", "ready 0 W1", "finish 0",
+      "await 1 b1", "await 1 W1", "await 1 b2", "await 1 W2",
+      "ready 1 b2", "ready 1 W2", "ready 1 b1", "ready 1 W1", "finish 1", "sync", "epoch 1"};
+  EXPECT_EQ(ex.calls, want);
 }
 
 TEST(Trainer, MeasuresTimeBlockedInTheExchange) {
@@ -203,7 +231,7 @@ TEST(Trainer, AnExchangeErrorStopsTrainingWithStepContext) {
   ASSERT_FALSE(epochs);
   EXPECT_EQ(epochs.error().code(), ErrorCode::kWorkerLost);
   EXPECT_THAT(epochs.error().message(), HasSubstr("epoch 1 step 4 (global step 3): peer vanished"));
-  EXPECT_EQ(ex.calls.back(), "ready 3 1 W2");  // nothing after the failing call
+  EXPECT_EQ(ex.calls.back(), "ready 3 b2");  // nothing after the failing call
 }
 
 TEST(Trainer, DivergenceIsReported) {
@@ -331,8 +359,8 @@ class BspExchange final : public GradientExchange {
   BspExchange(FakeBspServer& server, std::uint32_t rank, const Mlp& model)
       : server_(&server), rank_(rank), model_(&model) {}
   Status start(std::span<const Parameter> params) override { return server_->start(rank_, params); }
-  Status gradients_ready(std::uint64_t, std::size_t, std::span<const Parameter> layer) override {
-    server_->put(rank_, layer);
+  Status gradients_ready(std::uint64_t, std::span<const Parameter> tensors) override {
+    server_->put(rank_, tensors);
     return ok_status();
   }
   Status finish_step(std::uint64_t) override { return server_->finish_step(model_->parameters()); }
