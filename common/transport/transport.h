@@ -1,5 +1,5 @@
 // The transport interface: how Ember moves opaque messages between a worker
-// and a server, independent of the wire underneath (tcp, shm, later rdma).
+// and a server, independent of the wire underneath (tcp, shm, rdma).
 //
 // Model (after gloo/transport and NCCL's net plugin contract):
 //  * A Transport is one per process and kind; it owns the I/O threads (one
@@ -66,7 +66,7 @@ inline constexpr std::uint16_t kProtocolVersion = 1;
 enum class Kind : std::uint8_t {
   kTcp = 1,  // Boost.Asio over TCP (any host)
   kShm = 2,  // same host: shared memfd regions, shared-memory rings, eventfd
-  kRdma = 3, // rdma-core verbs over RC queue pairs (issue 8; not built yet)
+  kRdma = 3, // rdma-core verbs over RC queue pairs (rdma/; needs EMBER_WITH_RDMA and a device)
 };
 std::string_view kind_name(Kind kind) noexcept;  // "tcp", "shm", "rdma"
 
@@ -298,9 +298,9 @@ struct LocalIdentity {
 class Transport {
  public:
   // Validates `options` and starts the I/O threads. Errors: whatever
-  // Options::validate() returns; kUnavailable for rdma without a device
-  // (and, until issue 8, for rdma at all); kIo when a thread or fd cannot be
-  // created.
+  // Options::validate() returns; kUnavailable for rdma without a device with
+  // an active port, or in a build without rdma-core (EMBER_WITH_RDMA=OFF);
+  // kIo when a thread or fd cannot be created.
   static Result<std::unique_ptr<Transport>> create(Options options);
 
   // Stops the I/O threads after closing every Connection (on_closed runs with

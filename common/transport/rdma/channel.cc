@@ -182,7 +182,7 @@ Status Channel::prepare() {
   for (std::uint32_t i = geometry_.ctrl_slots; i > 0; --i) {
     free_ctrl_slots_.push_back(static_cast<std::int32_t>(i - 1));
   }
-  core_.channel_added();
+  core_.io_object_added();
   return ok_status();
 }
 
@@ -227,7 +227,7 @@ void Channel::release_unstarted() noexcept {
   if (cq_ != nullptr) {
     ::ibv_destroy_cq(cq_);
     cq_ = nullptr;
-    core_.channel_removed();
+    core_.io_object_removed();
   }
   recv_ring_.release();
   send_ring_.release();
@@ -286,10 +286,8 @@ void Channel::on_heartbeat_timer() {
   const Options& o = core_.options;
   const std::int64_t now = now_ns();
   if (now - last_rx_ns_ > o.heartbeat_timeout.count()) {
-    conn_->fail(Error(ErrorCode::kTimeout,
-                      fmt::format("nothing received from {} on channel {} for {} ms "
-                                  "(heartbeat_timeout): the peer is dead or stalled",
-                                  conn_->describe_peer(), index_, (now - last_rx_ns_) / 1000000)));
+    conn_->fail(heartbeat_timeout_error(fmt::format("{} on channel {}", conn_->describe_peer(), index_),
+                                        std::chrono::nanoseconds(now - last_rx_ns_)));
     return;
   }
   if (now - last_tx_ns_.load(std::memory_order_relaxed) >= o.heartbeat_interval.count()) {
@@ -1372,7 +1370,7 @@ void Channel::complete_teardown() {
   if (cq_ != nullptr) {
     ::ibv_destroy_cq(cq_);
     cq_ = nullptr;
-    core_.channel_removed();
+    core_.io_object_removed();
   }
   recv_ring_.release();
   send_ring_.release();

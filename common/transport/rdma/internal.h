@@ -32,6 +32,7 @@
 
 #include <boost/asio/steady_timer.hpp>
 
+#include "common/transport/connection_core.h"
 #include "common/transport/flow_control.h"
 #include "common/transport/io_threads.h"
 #include "common/transport/rdma/cm_thread.h"
@@ -67,7 +68,9 @@ struct RegisteredRegion {
   ibv_mr* mr = nullptr;
 };
 
-class Core {
+// The registry counts channels whose verbs objects are not yet all released
+// (the I/O objects the destructor waits for) and live connections.
+class Core : public TransportRegistry {
  public:
   explicit Core(Options opts) : options(std::move(opts)), geometry(Geometry::from(options)) {}
   ~Core();  // releases verbs objects; pre: every thread stopped, every channel finished
@@ -90,23 +93,6 @@ class Core {
   // The registered region holding [p, p + n), or nullptr. `hint` is a
   // MemoryLocation::region_id to try first. Any thread.
   const RegisteredRegion* find_region(const void* p, std::size_t n, std::uint32_t hint) const noexcept;
-
-  // Channels whose verbs objects are not yet all released, and live
-  // connections (for the destructor).
-  void channel_added();
-  void channel_removed();
-  void wait_no_channels();
-  void add_connection(const std::shared_ptr<RdmaConnection>& c);
-  std::vector<std::shared_ptr<RdmaConnection>> live_connections();
-  void add_listener_closer(std::function<void()> closer);
-  std::vector<std::function<void()>> take_listener_closers();
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::size_t live_channels_ = 0;
-  std::vector<std::weak_ptr<RdmaConnection>> connections_;
-  std::vector<std::function<void()>> listener_closers_;
 };
 
 // Memory a channel posts receives from or sends from: a pool block (Buffer
@@ -343,7 +329,7 @@ class Channel final : public Pollable {
   bool finishing_ = false;
 };
 
-class RdmaConnection final : public Connection {
+class RdmaConnection final : public ConnectionCore {
  public:
   RdmaConnection(std::shared_ptr<Core> core, PeerInfo peer, Handlers handlers);
   ~RdmaConnection() override;
@@ -351,7 +337,7 @@ class RdmaConnection final : public Connection {
   // --- set-up (CM thread, or the connecting thread before the CM sees it) ---
   Channel& channel(std::uint32_t i) { return *channels_[i]; }
   std::uint32_t channel_count() const noexcept { return static_cast<std::uint32_t>(channels_.size()); }
-  void set_peer(PeerInfo peer) { peer_ = std::move(peer); }
+  void set_peer(PeerInfo peer) { set_peer_info(std::move(peer)); }
   // CM thread: destroys the ids, queue pairs, CQs and rings of a connection
   // that was never started (set-up failed). on_closed will not run.
   void abort_setup() noexcept;
@@ -361,7 +347,6 @@ class RdmaConnection final : public Connection {
   void on_cm_event(std::uint32_t ch, const CmEvent& event);
 
   // --- Connection ---
-  const PeerInfo& peer() const noexcept override { return peer_; }
   Status send(std::uint32_t channel, std::span<const std::byte> bytes,
               std::chrono::nanoseconds wait) override;
   Status send(std::uint32_t channel, Buffer&& payload, SendCompletion done,
@@ -369,54 +354,30 @@ class RdmaConnection final : public Connection {
   Status flush(std::uint32_t channel) override;
   Status flush_all() override;
   void close(std::chrono::nanoseconds drain) override;
-  bool is_closed() const noexcept override { return closing_.load(std::memory_order_acquire); }
-  ConnectionStats stats() const noexcept override;
   RdmaStats rdma_stats() const noexcept;
   std::string debug_state();
 
   // --- used by Channel ---
-  void fail(Error reason);
-  bool failing() const noexcept { return failing_.load(std::memory_order_acquire); }
-  void peer_goodbye();
   void request_disconnect(std::uint32_t ch);
   void channel_finished();
-  void deliver(Incoming&& message);
-  FlowControl& flow() { return flow_; }
   Core& core() { return *core_; }
   std::shared_ptr<RdmaConnection> shared() {
     return std::static_pointer_cast<RdmaConnection>(shared_from_this());
   }
-  std::string describe_peer() const;
 
-  std::atomic<std::uint64_t> messages_sent{0}, messages_received{0}, bytes_sent{0},
-      bytes_received{0}, frames_sent{0}, frames_received{0}, write_syscalls{0}, read_syscalls{0},
-      heartbeats_sent{0}, heartbeats_received{0};
   std::atomic<std::uint64_t> sends_posted{0}, writes_posted{0}, rts_sent{0}, grants_received{0},
       cached_slot_writes{0}, slots_released{0}, fragments_sent{0}, credit_messages_sent{0},
       credit_stalls{0};
 
  private:
-  Status check_send(std::uint32_t channel, std::size_t bytes) const;
-  Status bad_channel(std::uint32_t channel) const;
-  tl::unexpected<Error> closed_error() const;
-  void set_closed_by_us();
+  std::size_t lane_count() const noexcept override { return channels_.size(); }
+  // Every started channel tears down on its I/O thread (first fail() only);
+  // before start(), set-up owns the channels (abort_setup).
+  void start_teardown() override;
 
   std::shared_ptr<Core> core_;
-  PeerInfo peer_;
-  Handlers handlers_;
-  FlowControl flow_;
   std::vector<std::unique_ptr<Channel>> channels_;
-  std::atomic<bool> closing_{false};
-  std::atomic<bool> failing_{false};
-  std::atomic<bool> finished_{false};
   std::atomic<bool> started_{false};
-  std::atomic<bool> announce_closed_{true};
-  std::atomic<std::size_t> channels_finished_{0};
-  std::mutex reason_mu_;
-  std::optional<Error> reason_;
-  bool closed_by_us_ = true;
-  bool closed_by_us_set_ = false;
-  std::shared_ptr<boost::asio::steady_timer> drain_timer_;
 };
 
 }  // namespace ember::transport::rdma::detail

@@ -106,52 +106,13 @@ const RegisteredRegion* Core::find_region(const void* p, std::size_t n, std::uin
   return nullptr;
 }
 
-void Core::channel_added() {
-  std::lock_guard lock(mu_);
-  ++live_channels_;
-}
-void Core::channel_removed() {
-  std::lock_guard lock(mu_);
-  if (--live_channels_ == 0) cv_.notify_all();
-}
-void Core::wait_no_channels() {
-  std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return live_channels_ == 0; });
-}
-void Core::add_connection(const std::shared_ptr<RdmaConnection>& c) {
-  std::lock_guard lock(mu_);
-  connections_.push_back(c);
-}
-std::vector<std::shared_ptr<RdmaConnection>> Core::live_connections() {
-  std::lock_guard lock(mu_);
-  std::vector<std::shared_ptr<RdmaConnection>> out;
-  std::vector<std::weak_ptr<RdmaConnection>> keep;
-  for (auto& w : connections_) {
-    if (auto s = w.lock()) {
-      out.push_back(s);
-      keep.push_back(w);
-    }
-  }
-  connections_.swap(keep);
-  return out;
-}
-void Core::add_listener_closer(std::function<void()> closer) {
-  std::lock_guard lock(mu_);
-  listener_closers_.push_back(std::move(closer));
-}
-std::vector<std::function<void()>> Core::take_listener_closers() {
-  std::lock_guard lock(mu_);
-  return std::move(listener_closers_);
-}
-
 // ---------------------------------------------------------------------------
 // RdmaConnection.
 
 RdmaConnection::RdmaConnection(std::shared_ptr<Core> core, PeerInfo peer, Handlers handlers)
-    : core_(std::move(core)),
-      peer_(std::move(peer)),
-      handlers_(std::move(handlers)),
-      flow_(core_->options.max_queued_bytes) {
+    : ConnectionCore(std::move(peer), std::move(handlers), core->options.max_queued_bytes,
+                     core->options.max_message_bytes),
+      core_(std::move(core)) {
   const std::uint32_t n = core_->options.num_channels;
   for (std::uint32_t i = 0; i < n; ++i) {
     const std::uint32_t io = core_->next_io.fetch_add(1, std::memory_order_relaxed) % core_->io->size();
@@ -161,13 +122,9 @@ RdmaConnection::RdmaConnection(std::shared_ptr<Core> core, PeerInfo peer, Handle
 
 RdmaConnection::~RdmaConnection() = default;
 
-std::string RdmaConnection::describe_peer() const {
-  return fmt::format("{} {} at {}", role_name(peer_.role), peer_.rank, peer_.address);
-}
-
 void RdmaConnection::abort_setup() noexcept {
-  announce_closed_ = false;
-  closing_.store(true);
+  suppress_on_closed();
+  (void)begin_close();  // never handed out: later calls see a closed Connection
   for (auto& ch : channels_) {
     if (ch->id() != nullptr) {
       core_->cm->destroy_id(ch->id());
@@ -221,28 +178,6 @@ void RdmaConnection::on_cm_event(std::uint32_t ch, const CmEvent& ev) {
   }
 }
 
-Status RdmaConnection::check_send(std::uint32_t channel, std::size_t bytes) const {
-  if (channel >= channels_.size()) return bad_channel(channel);
-  if (closing_.load(std::memory_order_acquire)) return closed_error();
-  if (bytes > core_->options.max_message_bytes) {
-    return make_error(ErrorCode::kTooLarge,
-                      "message of {} exceeds max_message_size {}; cut it into chunks or raise "
-                      "[communication] max_message_size",
-                      format_bytes(bytes), format_bytes(core_->options.max_message_bytes));
-  }
-  return ok_status();
-}
-
-Status RdmaConnection::bad_channel(std::uint32_t channel) const {
-  return make_error(ErrorCode::kInvalidArgument,
-                    "channel {} does not exist: this connection has {} channels (0..{})", channel,
-                    channels_.size(), channels_.size() - 1);
-}
-
-tl::unexpected<Error> RdmaConnection::closed_error() const {
-  return make_error(ErrorCode::kClosed, "connection to {} is closed", describe_peer());
-}
-
 Status RdmaConnection::send(std::uint32_t channel, std::span<const std::byte> bytes,
                             std::chrono::nanoseconds wait) {
   EMBER_TRY(check_send(channel, bytes.size()));
@@ -254,7 +189,7 @@ Status RdmaConnection::send(std::uint32_t channel, std::span<const std::byte> by
     std::memcpy(copy.data(), bytes.data(), bytes.size());
     return send(channel, std::move(copy), {}, wait);
   }
-  EMBER_TRY(flow_.acquire(bytes.size(), wait, !core_->io->on_io_thread()));
+  EMBER_TRY(flow().acquire(bytes.size(), wait, !core_->io->on_io_thread()));
   return channels_[channel]->send_small(bytes);
 }
 
@@ -268,75 +203,34 @@ Status RdmaConnection::send(std::uint32_t channel, Buffer&& payload, SendComplet
     if (s && done) done(ok_status());
     return s;
   }
-  EMBER_TRY(flow_.acquire(owned.size(), wait, !core_->io->on_io_thread()));
+  EMBER_TRY(flow().acquire(owned.size(), wait, !core_->io->on_io_thread()));
   return channels_[channel]->send_large(std::move(owned), std::move(done));
 }
 
 Status RdmaConnection::flush(std::uint32_t channel) {
-  if (channel >= channels_.size()) return bad_channel(channel);
-  if (closing_.load(std::memory_order_acquire)) return closed_error();
+  EMBER_TRY(check_channel(channel));
+  if (is_closed()) return closed_error();
   return channels_[channel]->flush();
 }
 
 Status RdmaConnection::flush_all() {
-  if (closing_.load(std::memory_order_acquire)) return closed_error();
+  if (is_closed()) return closed_error();
   for (auto& ch : channels_) EMBER_TRY(ch->flush());
   return ok_status();
 }
 
-void RdmaConnection::set_closed_by_us() {
-  std::lock_guard lock(reason_mu_);
-  if (!closed_by_us_set_) {
-    closed_by_us_set_ = true;
-    closed_by_us_ = true;
-  }
-}
-
 void RdmaConnection::close(std::chrono::nanoseconds drain) {
-  if (closing_.exchange(true)) return;
-  set_closed_by_us();
+  if (!begin_close()) return;
   auto self = shared();
   for (auto& ch : channels_) {
     Channel* c = ch.get();
     asio::post(core_->pollers[c->io_index()]->context(), [self, c] { c->begin_goodbye(); });
   }
   // The drain bound: whatever is still open after it is torn down.
-  auto& ctx0 = core_->pollers[channels_[0]->io_index()]->context();
-  auto timer = std::make_shared<asio::steady_timer>(ctx0);
-  asio::post(ctx0, [self, timer, drain] {
-    if (self->finished_.load()) return;
-    timer->expires_after(drain);
-    timer->async_wait([self, timer](const boost::system::error_code& ec) {
-      if (ec) return;
-      self->fail(Error(ErrorCode::kClosed,
-                       "orderly close did not finish within the drain time; connection torn down"));
-    });
-    std::lock_guard lock(self->reason_mu_);
-    self->drain_timer_ = timer;
-  });
+  arm_drain_timer(core_->pollers[channels_[0]->io_index()]->context(), drain);
 }
 
-void RdmaConnection::peer_goodbye() {
-  if (closing_.load()) return;
-  {
-    std::lock_guard lock(reason_mu_);
-    if (!closed_by_us_set_) {
-      closed_by_us_set_ = true;
-      closed_by_us_ = false;
-    }
-  }
-  close(std::chrono::seconds(1));
-}
-
-void RdmaConnection::fail(Error reason) {
-  {
-    std::lock_guard lock(reason_mu_);
-    if (reason_) return;
-    reason_ = std::move(reason);
-  }
-  failing_.store(true, std::memory_order_release);
-  closing_.store(true, std::memory_order_release);
-  flow_.close();
+void RdmaConnection::start_teardown() {
   if (!started_.load()) return;  // set-up owns the channels (abort_setup)
   auto self = shared();
   for (auto& ch : channels_) {
@@ -354,49 +248,9 @@ void RdmaConnection::request_disconnect(std::uint32_t ch) {
 }
 
 void RdmaConnection::channel_finished() {
-  if (++channels_finished_ != channels_.size()) return;
-  finished_.store(true);
-  closing_.store(true, std::memory_order_release);
-  flow_.close();
-  Error reason;
-  std::shared_ptr<asio::steady_timer> timer;
-  {
-    std::lock_guard lock(reason_mu_);
-    if (reason_) {
-      reason = *reason_;
-    } else {
-      reason = Error(ErrorCode::kClosed,
-                     closed_by_us_ ? "connection closed by this side" : "connection closed by the peer");
-    }
-    timer = std::move(drain_timer_);
-  }
-  if (timer) {
-    asio::post(core_->pollers[channels_[0]->io_index()]->context(), [timer] { timer->cancel(); });
-  }
-  if (announce_closed_ && handlers_.on_closed) handlers_.on_closed(*this, reason);
-}
-
-void RdmaConnection::deliver(Incoming&& message) {
-  messages_received.fetch_add(1, std::memory_order_relaxed);
-  bytes_received.fetch_add(message.bytes.size(), std::memory_order_relaxed);
-  handlers_.on_message(*this, std::move(message));
-}
-
-ConnectionStats RdmaConnection::stats() const noexcept {
-  ConnectionStats s;
-  s.messages_sent = messages_sent.load(std::memory_order_relaxed);
-  s.messages_received = messages_received.load(std::memory_order_relaxed);
-  s.bytes_sent = bytes_sent.load(std::memory_order_relaxed);
-  s.bytes_received = bytes_received.load(std::memory_order_relaxed);
-  s.frames_sent = frames_sent.load(std::memory_order_relaxed);
-  s.frames_received = frames_received.load(std::memory_order_relaxed);
-  s.write_syscalls = write_syscalls.load(std::memory_order_relaxed);
-  s.read_syscalls = read_syscalls.load(std::memory_order_relaxed);
-  s.heartbeats_sent = heartbeats_sent.load(std::memory_order_relaxed);
-  s.heartbeats_received = heartbeats_received.load(std::memory_order_relaxed);
-  s.queued_bytes = flow_.queued_bytes();
-  s.queued_bytes_high_water = flow_.high_water_bytes();
-  return s;
+  if (!part_finished(channels_.size())) return;
+  cancel_drain_timer(core_->pollers[channels_[0]->io_index()]->context());
+  announce_closed();
 }
 
 std::string RdmaConnection::debug_state() {
@@ -917,17 +771,6 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
   std::atomic<std::uint64_t> refused_{0};
 };
 
-class RdmaListener final : public Listener {
- public:
-  explicit RdmaListener(std::shared_ptr<ListenerState> state) : state_(std::move(state)) {}
-  ~RdmaListener() override { state_->close(); }
-  std::string address() const override { return state_->address(); }
-  std::uint64_t num_refused() const noexcept override { return state_->num_refused(); }
-
- private:
-  std::shared_ptr<ListenerState> state_;
-};
-
 // ---------------------------------------------------------------------------
 class RdmaTransport final : public Transport {
  public:
@@ -936,11 +779,7 @@ class RdmaTransport final : public Transport {
   ~RdmaTransport() override {
     EMBER_CHECK_MSG(!core_->io->on_io_thread() && !core_->cm->on_thread(),
                     "a Transport must not be destroyed on its I/O or rdma_cm thread");
-    for (auto& closer : core_->take_listener_closers()) closer();
-    for (auto& c : core_->live_connections()) {
-      c->fail(Error(ErrorCode::kCancelled, "the transport is shutting down"));
-    }
-    core_->wait_no_channels();
+    core_->shut_down();  // waits until every channel finished
     // Every id is gone (channels destroy theirs before they count as
     // finished; listeners closed above, in order on the CM thread).
     run_on_cm(*core_, [] { return 0; });
@@ -999,9 +838,7 @@ class RdmaTransport final : public Transport {
 
   Result<std::unique_ptr<Listener>> listen(const std::string& address, LocalIdentity self,
                                            AcceptHandler on_accept, Handlers handlers) override {
-    if (!handlers.on_message || !handlers.on_closed) {
-      return make_error(ErrorCode::kInvalidArgument, "listen: on_message and on_closed are required");
-    }
+    EMBER_TRY(require_handlers(handlers, "listen"));
     EMBER_ASSIGN_OR_RETURN(auto endpoint, tcp::resolve_endpoint(address));
     if (!endpoint.address().is_loopback() && core_->options.auth_token.empty()) {
       return make_error(ErrorCode::kConfig,
@@ -1016,14 +853,12 @@ class RdmaTransport final : public Transport {
     EMBER_TRY(run_on_cm(*core_, [&] { return state->open(ss); }));
     core_->add_listener_closer([state] { state->close(); });
     rdma_log()->info("listening on {} (device {})", state->address(), core_->device.device);
-    return std::unique_ptr<Listener>(new RdmaListener(state));
+    return std::unique_ptr<Listener>(new ListenerHandle<ListenerState>(state));
   }
 
   Result<std::shared_ptr<Connection>> connect(const std::string& address, LocalIdentity self,
                                               Handlers handlers) override {
-    if (!handlers.on_message || !handlers.on_closed) {
-      return make_error(ErrorCode::kInvalidArgument, "connect: on_message and on_closed are required");
-    }
+    EMBER_TRY(require_handlers(handlers, "connect"));
     if (core_->io->on_io_thread() || core_->cm->on_thread()) {
       return make_error(ErrorCode::kInvalidArgument,
                         "connect() blocks and must not be called on an I/O thread");

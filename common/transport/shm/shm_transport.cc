@@ -36,6 +36,7 @@
 #include "common/base/logging.h"
 #include "common/base/units.h"
 #include "common/memory/mapped_region.h"
+#include "common/transport/connection_core.h"
 #include "common/transport/flow_control.h"
 #include "common/transport/handshake.h"
 #include "common/transport/io_threads.h"
@@ -272,45 +273,13 @@ struct LentPayload {
 };
 
 // ---------------------------------------------------------------------------
-class Core : public std::enable_shared_from_this<Core> {
+// The registry counts live channels, control links and acceptors.
+class Core : public TransportRegistry {
  public:
   explicit Core(Options opts) : options(std::move(opts)) {}
   Options options;
   std::unique_ptr<IoThreads> io;
   std::vector<Transport::Region> regions;
-
-  void io_object_added() {
-    std::lock_guard lock(mu_);
-    ++live_;
-  }
-  void io_object_removed() {
-    std::lock_guard lock(mu_);
-    if (--live_ == 0) cv_.notify_all();
-  }
-  void wait_no_io_objects() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return live_ == 0; });
-  }
-  void add_connection(const std::shared_ptr<ShmConnection>& c) {
-    std::lock_guard lock(mu_);
-    connections_.push_back(c);
-  }
-  std::vector<std::shared_ptr<ShmConnection>> live_connections() {
-    std::lock_guard lock(mu_);
-    std::vector<std::shared_ptr<ShmConnection>> out;
-    for (auto& w : connections_) {
-      if (auto s = w.lock()) out.push_back(s);
-    }
-    return out;
-  }
-  void add_listener_closer(std::function<void()> f) {
-    std::lock_guard lock(mu_);
-    closers_.push_back(std::move(f));
-  }
-  std::vector<std::function<void()>> take_listener_closers() {
-    std::lock_guard lock(mu_);
-    return std::move(closers_);
-  }
 
   // Creates our lanes and doorbells for `num_channels` channels.
   Result<std::vector<LocalChannelResources>> make_local(std::uint32_t num_channels) {
@@ -357,13 +326,6 @@ class Core : public std::enable_shared_from_this<Core> {
     for (auto& r : regions) fds.push_back(r.fd);
     return fds;
   }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::size_t live_ = 0;
-  std::vector<std::weak_ptr<ShmConnection>> connections_;
-  std::vector<std::function<void()>> closers_;
 };
 
 // Maps what the peer sent; takes ownership of `fds` (closes them all).
@@ -495,13 +457,12 @@ class Channel {
 };
 
 // ---------------------------------------------------------------------------
-class ShmConnection final : public Connection {
+class ShmConnection final : public ConnectionCore {
  public:
   ShmConnection(std::shared_ptr<Core> core, PeerInfo peer, Handlers handlers, int control_fd)
-      : core_(std::move(core)),
-        peer_(std::move(peer)),
-        handlers_(std::move(handlers)),
-        flow_(core_->options.max_queued_bytes),
+      : ConnectionCore(std::move(peer), std::move(handlers), core->options.max_queued_bytes,
+                       core->options.max_message_bytes),
+        core_(std::move(core)),
         control_fd_(control_fd) {}
 
   Status init(std::vector<LocalChannelResources> local, PeerResources peer) {
@@ -537,8 +498,6 @@ class ShmConnection final : public Connection {
     asio::post(*control_ctx_, [self] { self->start_control(); });
   }
 
-  const PeerInfo& peer() const noexcept override { return peer_; }
-
   Status send(std::uint32_t channel, std::span<const std::byte> bytes, nanoseconds wait) override {
     EMBER_TRY(check_send(channel, bytes.size()));
     if (bytes.size() > payload_limit()) {
@@ -559,30 +518,23 @@ class ShmConnection final : public Connection {
       return s;
     }
     const bool lend = is_shared_region(owned);
-    if (lend) EMBER_TRY(flow_.acquire(owned.size(), wait, !core_->io->on_io_thread()));
+    if (lend) EMBER_TRY(flow().acquire(owned.size(), wait, !core_->io->on_io_thread()));
     return channels_[channel]->send_large(std::move(owned), std::move(done), wait, lend);
   }
 
   Status flush(std::uint32_t channel) override {
-    if (channel >= channels_.size()) return bad_channel(channel);
-    if (closing_.load()) return closed_error();
+    EMBER_TRY(check_channel(channel));
+    if (is_closed()) return closed_error();
     return channels_[channel]->flush();
   }
   Status flush_all() override {
-    if (closing_.load()) return closed_error();
+    if (is_closed()) return closed_error();
     for (auto& c : channels_) EMBER_TRY(c->flush());
     return ok_status();
   }
 
   void close(nanoseconds drain) override {
-    if (closing_.exchange(true)) return;
-    {
-      std::lock_guard lock(mu_);
-      if (!closed_by_set_) {
-        closed_by_set_ = true;
-        closed_by_us_ = true;
-      }
-    }
+    if (!begin_close()) return;
     // Everything published before the goodbye is seen by the peer after it.
     for (auto& c : channels_) c->stop_sending();
     auto rec = control_record(kControlGoodbye);
@@ -607,67 +559,14 @@ class ShmConnection final : public Connection {
     });
   }
 
-  bool is_closed() const noexcept override { return closing_.load(); }
-
-  ConnectionStats stats() const noexcept override {
-    ConnectionStats s;
-    s.messages_sent = messages_sent.load(std::memory_order_relaxed);
-    s.messages_received = messages_received.load(std::memory_order_relaxed);
-    s.bytes_sent = bytes_sent.load(std::memory_order_relaxed);
-    s.bytes_received = bytes_received.load(std::memory_order_relaxed);
-    s.frames_sent = frames_sent.load(std::memory_order_relaxed);
-    s.frames_received = frames_received.load(std::memory_order_relaxed);
-    s.write_syscalls = write_syscalls.load(std::memory_order_relaxed);
-    s.read_syscalls = read_syscalls.load(std::memory_order_relaxed);
-    s.heartbeats_sent = heartbeats_sent.load(std::memory_order_relaxed);
-    s.heartbeats_received = heartbeats_received.load(std::memory_order_relaxed);
-    s.queued_bytes = flow_.queued_bytes();
-    s.queued_bytes_high_water = flow_.high_water_bytes();
-    return s;
-  }
-
   // --- internal ---
-  void fail(Error reason) {
-    {
-      std::lock_guard lock(mu_);
-      if (reason_) return;
-      reason_ = std::move(reason);
-    }
-    failing_.store(true);
-    closing_.store(true);
-    flow_.close();
-    auto self = shared();
-    for (auto& ch : channels_) {
-      Channel* c = ch.get();
-      asio::post(c->context(), [self, c] { c->teardown(self->reason_copy()); });
-    }
-    asio::post(*control_ctx_, [self] { self->teardown_control(); });
-  }
-  Error reason_copy() {
-    std::lock_guard lock(mu_);
-    return reason_ ? *reason_ : Error(ErrorCode::kClosed, "closed");
-  }
-  bool failing() const noexcept { return failing_.load(std::memory_order_acquire); }
-  void deliver(Incoming&& m) {
-    messages_received.fetch_add(1, std::memory_order_relaxed);
-    bytes_received.fetch_add(m.bytes.size(), std::memory_order_relaxed);
-    handlers_.on_message(*this, std::move(m));
-  }
-  // A channel's I/O objects are gone.
-  void part_finished() {
+  // A channel's (or the control link's) I/O objects are gone; the last of
+  // the channels + 1 parts reports.
+  void io_part_finished() {
     core_->io_object_removed();
-    if (++parts_finished_ != channels_.size() + 1) return;
-    Error reason;
-    {
-      std::lock_guard lock(mu_);
-      reason = reason_ ? *reason_
-                       : Error(ErrorCode::kClosed, closed_by_us_ ? "connection closed by this side"
-                                                                 : "connection closed by the peer");
-    }
-    flow_.close();
-    if (announce_.load() && handlers_.on_closed) handlers_.on_closed(*this, reason);
+    if (!part_finished(channels_.size() + 1)) return;
+    announce_closed();
   }
-  void suppress_on_closed() { announce_.store(false); }
   // A channel finished its final drain after the peer's goodbye.
   void channel_drained() {
     if (++channels_drained_ == channels_.size()) {
@@ -678,7 +577,6 @@ class ShmConnection final : public Connection {
       });
     }
   }
-  FlowControl& flow() { return flow_; }
   Core& core() { return *core_; }
   const std::shared_ptr<memory::MappedRegion>* peer_region(std::uint32_t id) const {
     auto it = peer_regions_.find(id);
@@ -688,37 +586,25 @@ class ShmConnection final : public Connection {
     return core_->options.batch_threshold_bytes / 8 * 8 - wire::kMinFrameBytes;
   }
 
-  std::atomic<std::uint64_t> messages_sent{0}, messages_received{0}, bytes_sent{0},
-      bytes_received{0}, frames_sent{0}, frames_received{0}, write_syscalls{0}, read_syscalls{0},
-      heartbeats_sent{0}, heartbeats_received{0};
-
  private:
+  std::size_t lane_count() const noexcept override { return channels_.size(); }
+  // Every channel and the control link tear down on their I/O threads
+  // (first fail() only).
+  void start_teardown() override {
+    auto self = shared();
+    for (auto& ch : channels_) {
+      Channel* c = ch.get();
+      asio::post(c->context(), [self, c] { c->teardown(self->failure_reason()); });
+    }
+    asio::post(*control_ctx_, [self] { self->teardown_control(); });
+  }
+
   bool is_shared_region(const Buffer& b) const {
     const MemoryLocation& loc = b.location();
     if (loc.region_id >= shared_regions_) return false;
     const Transport::Region& r = core_->regions[loc.region_id];
     return loc.fd == r.fd && loc.fd_offset + b.size() <= r.length_bytes &&
            static_cast<const std::byte*>(r.base) + loc.fd_offset == b.data();
-  }
-  Status check_send(std::uint32_t channel, std::size_t bytes) const {
-    if (channel >= channels_.size()) return bad_channel(channel);
-    if (closing_.load()) return closed_error();
-    if (bytes > core_->options.max_message_bytes) {
-      return make_error(ErrorCode::kTooLarge,
-                        "message of {} exceeds max_message_size {}; cut it into chunks or raise "
-                        "[communication] max_message_size",
-                        format_bytes(bytes), format_bytes(core_->options.max_message_bytes));
-    }
-    return ok_status();
-  }
-  Status bad_channel(std::uint32_t channel) const {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "channel {} does not exist: this connection has {} channels (0..{})", channel,
-                      channels_.size(), channels_.size() - 1);
-  }
-  tl::unexpected<Error> closed_error() const {
-    return make_error(ErrorCode::kClosed, "shm connection to {} {} is closed", role_name(peer_.role),
-                      peer_.rank);
   }
 
   // --- control link (channel 0's I/O thread) ---
@@ -760,7 +646,7 @@ class ShmConnection final : public Connection {
           fail(Error(ErrorCode::kIo,
                      fmt::format("{} {} closed the shm control socket without goodbye (crashed or "
                                  "killed)",
-                                 role_name(peer_.role), peer_.rank)));
+                                 role_name(peer().role), peer().rank)));
         }
         return;
       }
@@ -776,14 +662,7 @@ class ShmConnection final : public Connection {
       } else if (type == kControlGoodbye) {
         if (!goodbye_received_) {
           goodbye_received_ = true;
-          {
-            std::lock_guard lock(mu_);
-            if (!closed_by_set_) {
-              closed_by_set_ = true;
-              closed_by_us_ = false;
-            }
-          }
-          close(std::chrono::seconds(1));
+          peer_goodbye();
           auto self = shared();
           for (auto& ch : channels_) {
             Channel* c = ch.get();
@@ -801,10 +680,9 @@ class ShmConnection final : public Connection {
     const std::int64_t now = now_ns();
     const Options& o = core_->options;
     if (now - last_rx_ns_ > o.heartbeat_timeout.count()) {
-      fail(Error(ErrorCode::kTimeout,
-                 fmt::format("nothing received from {} {} on the shm control socket for {} ms "
-                             "(heartbeat_timeout): the peer is dead or stalled",
-                             role_name(peer_.role), peer_.rank, (now - last_rx_ns_) / 1000000)));
+      fail(heartbeat_timeout_error(
+          fmt::format("{} {} on the shm control socket", role_name(peer().role), peer().rank),
+          nanoseconds(now - last_rx_ns_)));
       return;
     }
     if (now - last_tx_ns_ >= o.heartbeat_interval.count()) {
@@ -855,29 +733,19 @@ class ShmConnection final : public Connection {
       }
       control_fd_ = -1;
     }
-    part_finished();
+    io_part_finished();
   }
 
   std::shared_ptr<Core> core_;
-  PeerInfo peer_;
-  Handlers handlers_;
-  FlowControl flow_;
   std::vector<std::unique_ptr<Channel>> channels_;
   std::map<std::uint32_t, std::shared_ptr<memory::MappedRegion>> peer_regions_;
   std::size_t shared_regions_ = 0;
   asio::io_context* control_ctx_ = nullptr;
 
-  std::mutex mu_;  // reason_, control_fd_ sends, closed_by_*
-  std::optional<Error> reason_;
-  bool closed_by_us_ = true;
-  bool closed_by_set_ = false;
+  std::mutex mu_;  // control_fd_ (sends and close)
   int control_fd_;
   std::atomic<bool> goodbye_sent_{false};
 
-  std::atomic<bool> closing_{false};
-  std::atomic<bool> failing_{false};
-  std::atomic<bool> announce_{true};
-  std::atomic<std::size_t> parts_finished_{0};
   std::atomic<std::size_t> channels_drained_{0};
 
   // Control link state, channel 0's I/O thread only.
@@ -1392,7 +1260,7 @@ void Channel::teardown(const Error& reason) {
       }
     }
   }
-  conn_->part_finished();
+  conn_->io_part_finished();
 }
 
 // ---------------------------------------------------------------------------
@@ -1654,28 +1522,13 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   bool closed_ = false;
 };
 
-class ShmListener final : public Listener {
- public:
-  explicit ShmListener(std::shared_ptr<ListenerCore> c) : core_(std::move(c)) {}
-  ~ShmListener() override { core_->close(); }
-  std::string address() const override { return core_->address(); }
-  std::uint64_t num_refused() const noexcept override { return core_->num_refused(); }
-
- private:
-  std::shared_ptr<ListenerCore> core_;
-};
-
 // ---------------------------------------------------------------------------
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(std::shared_ptr<Core> core) : core_(std::move(core)) {}
   ~ShmTransport() override {
     EMBER_CHECK_MSG(!core_->io->on_io_thread(), "a Transport must not be destroyed on its I/O thread");
-    for (auto& closer : core_->take_listener_closers()) closer();
-    for (auto& c : core_->live_connections()) {
-      c->fail(Error(ErrorCode::kCancelled, "the transport is shutting down"));
-    }
-    core_->wait_no_io_objects();
+    core_->shut_down();
     core_->io->join_when_idle();
   }
 
@@ -1699,22 +1552,18 @@ class ShmTransport final : public Transport {
 
   Result<std::unique_ptr<Listener>> listen(const std::string& address, LocalIdentity self,
                                            AcceptHandler on_accept, Handlers handlers) override {
-    if (!handlers.on_message || !handlers.on_closed) {
-      return make_error(ErrorCode::kInvalidArgument, "listen: on_message and on_closed are required");
-    }
+    EMBER_TRY(require_handlers(handlers, "listen"));
     auto lc = std::make_shared<ListenerCore>(core_, core_->io->context(0), self,
                                              std::move(on_accept), std::move(handlers));
     EMBER_TRY(lc->open(address));
     core_->add_listener_closer([lc] { lc->close(); });
     lc->start();
-    return std::unique_ptr<Listener>(new ShmListener(lc));
+    return std::unique_ptr<Listener>(new ListenerHandle<ListenerCore>(lc));
   }
 
   Result<std::shared_ptr<Connection>> connect(const std::string& address, LocalIdentity self,
                                               Handlers handlers) override {
-    if (!handlers.on_message || !handlers.on_closed) {
-      return make_error(ErrorCode::kInvalidArgument, "connect: on_message and on_closed are required");
-    }
+    EMBER_TRY(require_handlers(handlers, "connect"));
     if (core_->io->on_io_thread()) {
       return make_error(ErrorCode::kInvalidArgument,
                         "connect() blocks and must not be called on an I/O thread");

@@ -42,6 +42,7 @@
 #include "common/base/check.h"
 #include "common/base/logging.h"
 #include "common/base/units.h"
+#include "common/transport/connection_core.h"
 #include "common/transport/control.h"
 #include "common/transport/flow_control.h"
 #include "common/transport/handshake.h"
@@ -247,71 +248,24 @@ class Channel {
 };
 
 // ---------------------------------------------------------------------------
-// Shared by the Transport, its Connections and Listeners.
-class Core : public std::enable_shared_from_this<Core> {
+// Shared by the Transport, its Connections and Listeners. The registry
+// counts live channels and acceptors (I/O objects not yet destroyed).
+class Core : public TransportRegistry {
  public:
   explicit Core(Options opts) : options(std::move(opts)) {}
 
   Options options;
   std::unique_ptr<IoThreads> io;
   std::vector<Transport::Region> regions;
-
-  // Live channels and acceptors (I/O objects not yet destroyed).
-  void io_object_added() {
-    std::lock_guard lock(mu_);
-    ++live_io_objects_;
-  }
-  void io_object_removed() {
-    std::lock_guard lock(mu_);
-    if (--live_io_objects_ == 0) cv_.notify_all();
-  }
-  void wait_no_io_objects() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return live_io_objects_ == 0; });
-  }
-
-  void add_connection(const std::shared_ptr<TcpConnection>& c) {
-    std::lock_guard lock(mu_);
-    connections_.push_back(c);
-  }
-  std::vector<std::shared_ptr<TcpConnection>> live_connections() {
-    std::lock_guard lock(mu_);
-    std::vector<std::shared_ptr<TcpConnection>> out;
-    std::vector<std::weak_ptr<TcpConnection>> keep;
-    for (auto& w : connections_) {
-      if (auto s = w.lock()) {
-        out.push_back(s);
-        keep.push_back(w);
-      }
-    }
-    connections_.swap(keep);
-    return out;
-  }
-  void add_listener_closer(std::function<void()> closer) {
-    std::lock_guard lock(mu_);
-    listener_closers_.push_back(std::move(closer));
-  }
-  std::vector<std::function<void()>> take_listener_closers() {
-    std::lock_guard lock(mu_);
-    return std::move(listener_closers_);
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::size_t live_io_objects_ = 0;
-  std::vector<std::weak_ptr<TcpConnection>> connections_;
-  std::vector<std::function<void()>> listener_closers_;
 };
 
 // ---------------------------------------------------------------------------
-class TcpConnection final : public Connection {
+class TcpConnection final : public ConnectionCore {
  public:
   TcpConnection(std::shared_ptr<Core> core, PeerInfo peer, Handlers handlers)
-      : core_(std::move(core)),
-        peer_(std::move(peer)),
-        handlers_(std::move(handlers)),
-        flow_(core_->options.max_queued_bytes) {}
+      : ConnectionCore(std::move(peer), std::move(handlers), core->options.max_queued_bytes,
+                       core->options.max_message_bytes),
+        core_(std::move(core)) {}
 
   // Builds the channels over connected, handshaken sockets (fds, owned from
   // here). Contexts are spread over the I/O threads.
@@ -369,12 +323,9 @@ class TcpConnection final : public Connection {
   }
 
   // --- Connection ---
-  const PeerInfo& peer() const noexcept override { return peer_; }
-
   Status send(std::uint32_t channel, std::span<const std::byte> bytes,
               std::chrono::nanoseconds wait) override {
     EMBER_TRY(check_send(channel, bytes.size()));
-    const Options& o = core_->options;
     if (bytes.size() > encoder_payload_limit()) {
       // A message too big for a batch: copied once into a heap Buffer and
       // sent as a large message (callers with big payloads should pass a
@@ -383,8 +334,7 @@ class TcpConnection final : public Connection {
       std::memcpy(copy.data(), bytes.data(), bytes.size());
       return send(channel, std::move(copy), {}, wait);
     }
-    (void)o;
-    EMBER_TRY(flow_.acquire(bytes.size(), wait, !core_->io->on_io_thread()));
+    EMBER_TRY(flow().acquire(bytes.size(), wait, !core_->io->on_io_thread()));
     return channels_[channel]->send_small(bytes, /*control=*/false);
   }
 
@@ -398,183 +348,58 @@ class TcpConnection final : public Connection {
       if (s && done) done(ok_status());
       return s;
     }
-    EMBER_TRY(flow_.acquire(owned.size(), wait, !core_->io->on_io_thread()));
+    EMBER_TRY(flow().acquire(owned.size(), wait, !core_->io->on_io_thread()));
     return channels_[channel]->send_large(std::move(owned), std::move(done));
   }
 
   Status flush(std::uint32_t channel) override {
-    if (channel >= channels_.size()) return bad_channel(channel);
-    if (closing_.load(std::memory_order_acquire)) return closed_error();
+    EMBER_TRY(check_channel(channel));
+    if (is_closed()) return closed_error();
     return channels_[channel]->flush();
   }
   Status flush_all() override {
-    if (closing_.load(std::memory_order_acquire)) return closed_error();
+    if (is_closed()) return closed_error();
     for (auto& ch : channels_) EMBER_TRY(ch->flush());
     return ok_status();
   }
 
   void close(std::chrono::nanoseconds drain) override {
-    if (closing_.exchange(true)) return;
-    set_closed_by_us();
+    if (!begin_close()) return;
     auto self = shared();
     for (auto& ch : channels_) {
       Channel* c = ch.get();
       asio::post(c->context(), [self, c] { c->begin_goodbye(); });
     }
     // The drain bound: after it, whatever is still open is torn down.
-    auto timer = std::make_shared<asio::steady_timer>(channels_[0]->context());
-    timer->expires_after(drain);
-    asio::post(channels_[0]->context(), [self, timer] {
-      if (self->finished_.load()) return;
-      // Registered as an I/O object so the transport's teardown waits for it.
-      timer->async_wait([self, timer](const boost::system::error_code& ec) {
-        if (ec) return;
-        self->fail(Error(ErrorCode::kClosed,
-                         "orderly close did not finish within the drain time; connection torn down"));
-      });
-      std::lock_guard lock(self->reason_mu_);
-      self->drain_timer_ = timer;
-    });
-  }
-
-  bool is_closed() const noexcept override { return closing_.load(std::memory_order_acquire); }
-
-  ConnectionStats stats() const noexcept override {
-    ConnectionStats s;
-    s.messages_sent = messages_sent.load(std::memory_order_relaxed);
-    s.messages_received = messages_received.load(std::memory_order_relaxed);
-    s.bytes_sent = bytes_sent.load(std::memory_order_relaxed);
-    s.bytes_received = bytes_received.load(std::memory_order_relaxed);
-    s.frames_sent = frames_sent.load(std::memory_order_relaxed);
-    s.frames_received = frames_received.load(std::memory_order_relaxed);
-    s.write_syscalls = write_syscalls.load(std::memory_order_relaxed);
-    s.read_syscalls = read_syscalls.load(std::memory_order_relaxed);
-    s.heartbeats_sent = heartbeats_sent.load(std::memory_order_relaxed);
-    s.heartbeats_received = heartbeats_received.load(std::memory_order_relaxed);
-    s.queued_bytes = flow_.queued_bytes();
-    s.queued_bytes_high_water = flow_.high_water_bytes();
-    return s;
+    arm_drain_timer(channels_[0]->context(), drain);
   }
 
   // --- internal, used by Channel ---
-  // First error wins; starts the teardown of every channel. Any thread.
-  void fail(Error reason) {
-    {
-      std::lock_guard lock(reason_mu_);
-      if (reason_) return;
-      reason_ = std::move(reason);
-    }
-    failing_.store(true, std::memory_order_release);
-    closing_.store(true, std::memory_order_release);
-    flow_.close();
+  // A channel finished (orderly or torn down). The last one reports.
+  void channel_finished() {
+    core_->io_object_removed();
+    if (!part_finished(channels_.size())) return;
+    cancel_drain_timer(channels_[0]->context());
+    announce_closed();
+  }
+  Core& core() { return *core_; }
+  std::size_t encoder_payload_limit() const {
+    return core_->options.batch_threshold_bytes / 8 * 8 - wire::kMinFrameBytes;
+  }
+
+ private:
+  std::size_t lane_count() const noexcept override { return channels_.size(); }
+  // Every channel tears down on its I/O thread (first fail() only).
+  void start_teardown() override {
     auto self = shared();
     for (auto& ch : channels_) {
       Channel* c = ch.get();
       asio::post(c->context(), [self, c] { c->teardown(); });
     }
   }
-  bool failing() const noexcept { return failing_.load(std::memory_order_acquire); }
-  // An orderly close started by the peer (its goodbye arrived).
-  void peer_goodbye() {
-    if (!closing_.load()) {
-      {
-        std::lock_guard lock(reason_mu_);
-        if (!closed_by_us_set_) {
-          closed_by_us_set_ = true;
-          closed_by_us_ = false;
-        }
-      }
-      close(std::chrono::seconds(1));
-    }
-  }
-  void set_closed_by_us() {
-    std::lock_guard lock(reason_mu_);
-    if (!closed_by_us_set_) {
-      closed_by_us_set_ = true;
-      closed_by_us_ = true;
-    }
-  }
-  // A channel finished (orderly or torn down). The last one reports.
-  void channel_finished() {
-    core_->io_object_removed();
-    if (++channels_finished_ != channels_.size()) return;
-    finished_.store(true);
-    closing_.store(true, std::memory_order_release);
-    flow_.close();
-    Error reason;
-    {
-      std::lock_guard lock(reason_mu_);
-      if (reason_) {
-        reason = *reason_;
-      } else {
-        reason = Error(ErrorCode::kClosed, closed_by_us_ ? "connection closed by this side"
-                                                          : "connection closed by the peer");
-      }
-    }
-    {
-      // The timer lives on channel 0's thread; cancel there and drop it.
-      std::lock_guard lock(reason_mu_);
-      if (auto t = std::move(drain_timer_)) {
-        asio::post(channels_[0]->context(), [t] { t->cancel(); });
-      }
-    }
-    if (announce_closed_.load() && handlers_.on_closed) handlers_.on_closed(*this, reason);
-  }
-  // For a Connection that never reached the user (set-up failed).
-  void suppress_on_closed() { announce_closed_.store(false); }
-  void deliver(Incoming&& message) {
-    messages_received.fetch_add(1, std::memory_order_relaxed);
-    bytes_received.fetch_add(message.bytes.size(), std::memory_order_relaxed);
-    handlers_.on_message(*this, std::move(message));
-  }
-  FlowControl& flow() { return flow_; }
-  Core& core() { return *core_; }
-  std::size_t encoder_payload_limit() const {
-    return core_->options.batch_threshold_bytes / 8 * 8 - wire::kMinFrameBytes;
-  }
-
-  // Counters (relaxed; see ConnectionStats).
-  std::atomic<std::uint64_t> messages_sent{0}, messages_received{0}, bytes_sent{0},
-      bytes_received{0}, frames_sent{0}, frames_received{0}, write_syscalls{0}, read_syscalls{0},
-      heartbeats_sent{0}, heartbeats_received{0};
-
- private:
-  Status check_send(std::uint32_t channel, std::size_t bytes) const {
-    if (channel >= channels_.size()) return bad_channel(channel);
-    if (closing_.load(std::memory_order_acquire)) return closed_error();
-    if (bytes > core_->options.max_message_bytes) {
-      return make_error(ErrorCode::kTooLarge,
-                        "message of {} exceeds max_message_size {}; cut it into chunks or raise "
-                        "[communication] max_message_size",
-                        format_bytes(bytes), format_bytes(core_->options.max_message_bytes));
-    }
-    return ok_status();
-  }
-  Status bad_channel(std::uint32_t channel) const {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "channel {} does not exist: this connection has {} channels (0..{})", channel,
-                      channels_.size(), channels_.size() - 1);
-  }
-  tl::unexpected<Error> closed_error() const {
-    return make_error(ErrorCode::kClosed, "connection to {} {} at {} is closed",
-                      role_name(peer_.role), peer_.rank, peer_.address);
-  }
 
   std::shared_ptr<Core> core_;
-  PeerInfo peer_;
-  Handlers handlers_;
-  FlowControl flow_;
   std::vector<std::unique_ptr<Channel>> channels_;
-  std::atomic<bool> closing_{false};
-  std::atomic<bool> failing_{false};
-  std::atomic<bool> finished_{false};
-  std::atomic<bool> announce_closed_{true};
-  std::atomic<std::size_t> channels_finished_{0};
-  std::mutex reason_mu_;
-  std::optional<Error> reason_;
-  bool closed_by_us_ = true;
-  bool closed_by_us_set_ = false;
-  std::shared_ptr<asio::steady_timer> drain_timer_;  // I/O thread of channel 0
 };
 
 // ---------------------------------------------------------------------------
@@ -910,12 +735,8 @@ void Channel::on_heartbeat_timer() {
   if (torn_down_ || !heartbeat_timer_) return;
   const std::int64_t now = now_ns();
   if (now - last_rx_ns_ > options_.heartbeat_timeout.count()) {
-    conn_->fail(Error(ErrorCode::kTimeout,
-                      fmt::format("nothing received from {} {} at {} on channel {} for {} ms "
-                                  "(heartbeat_timeout): the peer is dead or stalled",
-                                  role_name(conn_->peer().role), conn_->peer().rank,
-                                  conn_->peer().address, index_,
-                                  (now - last_rx_ns_) / 1000000)));
+    conn_->fail(heartbeat_timeout_error(
+        fmt::format("{} on channel {}", conn_->describe_peer(), index_), nanoseconds(now - last_rx_ns_)));
     return;
   }
   if (now - last_tx_ns_.load(std::memory_order_relaxed) >= options_.heartbeat_interval.count()) {
@@ -1419,17 +1240,6 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   bool closed_ = false;
 };
 
-class TcpListener final : public Listener {
- public:
-  explicit TcpListener(std::shared_ptr<ListenerCore> core) : core_(std::move(core)) {}
-  ~TcpListener() override { core_->close(); }
-  std::string address() const override { return core_->address(); }
-  std::uint64_t num_refused() const noexcept override { return core_->num_refused(); }
-
- private:
-  std::shared_ptr<ListenerCore> core_;
-};
-
 // ---------------------------------------------------------------------------
 class TcpTransport final : public Transport {
  public:
@@ -1437,11 +1247,7 @@ class TcpTransport final : public Transport {
 
   ~TcpTransport() override {
     EMBER_CHECK_MSG(!core_->io->on_io_thread(), "a Transport must not be destroyed on its I/O thread");
-    for (auto& closer : core_->take_listener_closers()) closer();
-    for (auto& c : core_->live_connections()) {
-      c->fail(Error(ErrorCode::kCancelled, "the transport is shutting down"));
-    }
-    core_->wait_no_io_objects();
+    core_->shut_down();
     core_->io->join_when_idle();
   }
 
@@ -1459,9 +1265,7 @@ class TcpTransport final : public Transport {
 
   Result<std::unique_ptr<Listener>> listen(const std::string& address, LocalIdentity self,
                                            AcceptHandler on_accept, Handlers handlers) override {
-    if (!handlers.on_message || !handlers.on_closed) {
-      return make_error(ErrorCode::kInvalidArgument, "listen: on_message and on_closed are required");
-    }
+    EMBER_TRY(require_handlers(handlers, "listen"));
     EMBER_ASSIGN_OR_RETURN(tcp::endpoint endpoint, resolve_endpoint(address));
     if (!endpoint.address().is_loopback() && core_->options.auth_token.empty()) {
       return make_error(ErrorCode::kConfig,
@@ -1474,14 +1278,12 @@ class TcpTransport final : public Transport {
     EMBER_TRY(lc->open(endpoint));
     core_->add_listener_closer([lc] { lc->close(); });
     lc->start();
-    return std::unique_ptr<Listener>(new TcpListener(lc));
+    return std::unique_ptr<Listener>(new ListenerHandle<ListenerCore>(lc));
   }
 
   Result<std::shared_ptr<Connection>> connect(const std::string& address, LocalIdentity self,
                                               Handlers handlers) override {
-    if (!handlers.on_message || !handlers.on_closed) {
-      return make_error(ErrorCode::kInvalidArgument, "connect: on_message and on_closed are required");
-    }
+    EMBER_TRY(require_handlers(handlers, "connect"));
     if (core_->io->on_io_thread()) {
       return make_error(ErrorCode::kInvalidArgument,
                         "connect() blocks and must not be called on an I/O thread");

@@ -247,6 +247,9 @@ TEST(ShmProcess, HungPeerIsDeclaredDeadByHeartbeat) {
   child.signal(SIGSTOP);
   ASSERT_TRUE(in.wait_closed(10s));
   EXPECT_EQ(in.closed_reason()->code(), ErrorCode::kTimeout) << in.closed_reason()->to_string();
+  EXPECT_TRUE(in.closed_reason()->to_string().ends_with(
+      "(heartbeat_timeout): the peer is dead or stalled; see docs/troubleshooting.md#worker-loss"))
+      << in.closed_reason()->to_string();
   child.signal(SIGKILL);
 }
 

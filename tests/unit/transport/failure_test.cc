@@ -331,6 +331,11 @@ TEST(TcpFailure, SilentPeerIsDeclaredDeadAfterTheHeartbeatTimeout) {
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_EQ(server.inbox.closed_reason()->code(), ErrorCode::kTimeout);
   EXPECT_NE(server.inbox.closed_reason()->message().find("heartbeat_timeout"), std::string::npos);
+  // The server logs this as "worker <r> (<addr>) lost: <reason>": the line
+  // ends with where the operator reads on.
+  EXPECT_TRUE(server.inbox.closed_reason()->to_string().ends_with(
+      "the peer is dead or stalled; see docs/troubleshooting.md#worker-loss"))
+      << server.inbox.closed_reason()->to_string();
   // Not before the timeout (less the few ms between the server's start of
   // the clock and ours), and well before anything else would close it.
   EXPECT_GE(took, 250ms);
