@@ -42,13 +42,6 @@ std::vector<std::string> ipv4_of(const std::string& netdev) {
   return out;
 }
 
-std::string describe(const DeviceInfo& d, const PortInfo& p) {
-  std::string s = fmt::format("{} port {} ({}, {}", d.name, p.port_num, p.state, p.link_layer);
-  if (!p.netdev.empty()) s += fmt::format(", netdev {}", p.netdev);
-  for (const auto& ip : p.ipv4) s += ", " + ip;
-  return s + ")";
-}
-
 }  // namespace
 
 bool built_with_rdma() noexcept { return true; }
@@ -89,29 +82,6 @@ std::vector<DeviceInfo> probe_devices() {
   return out;
 }
 
-Availability probe_rdma() {
-  Availability a;
-  const std::vector<DeviceInfo> devices = probe_devices();
-  if (devices.empty()) {
-    a.detail = "no RDMA device (ibv_get_device_list found none; see `ibv_devices`, `rdma link`)";
-    return a;
-  }
-  std::string seen;
-  for (const DeviceInfo& d : devices) {
-    for (const PortInfo& p : d.ports) {
-      if (p.active && !a.available) {
-        a.available = true;
-        a.device = d.name;
-        a.port_num = p.port_num;
-        a.address = p.ipv4.empty() ? "" : p.ipv4.front();
-        a.detail = describe(d, p);
-      }
-      seen += (seen.empty() ? "" : "; ") + describe(d, p);
-    }
-    if (d.ports.empty()) seen += (seen.empty() ? "" : "; ") + d.name + " (cannot be opened)";
-  }
-  if (!a.available) a.detail = "no RDMA device has an active port: " + seen;
-  return a;
-}
+Availability probe_rdma() { return availability_of(probe_devices()); }
 
 }  // namespace ember::transport::rdma

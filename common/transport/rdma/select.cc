@@ -1,29 +1,79 @@
-// choose_auto: the transport = "auto" policy (no verbs calls; built always).
+// The transport = "auto" policy and the device-list reduction behind it.
+// Pure functions (no verbs calls), built in every build, so each branch is
+// tested on any machine with injected device lists.
 #include <fmt/format.h>
 
 #include "common/transport/rdma/device.h"
 
 namespace ember::transport::rdma {
 
-AutoChoice choose_auto(bool peer_on_same_host, const Availability& rdma) {
-  AutoChoice c;
-  if (peer_on_same_host) {
-    // Same host: shm moves nothing at all (the peer maps our pool); rdma
-    // would still copy through the device, and rdma_cm cannot use 127.0.0.1
-    // on Soft-RoCE.
-    c.kind = Kind::kShm;
-    c.reason = fmt::format("transport = \"auto\": using shm (the peer is on this host; rdma {})",
-                           rdma.available ? "is up but shm copies less" : "is not available");
-    return c;
+std::string describe_port(const DeviceInfo& device, const PortInfo& port) {
+  std::string s = fmt::format("{} port {} ({}, {}", device.name, port.port_num, port.state,
+                              port.link_layer);
+  if (!port.netdev.empty()) s += fmt::format(", netdev {}", port.netdev);
+  for (const auto& ip : port.ipv4) s += ", " + ip;
+  return s + ")";
+}
+
+Availability availability_of(const std::vector<DeviceInfo>& devices) {
+  Availability a;
+  if (devices.empty()) {
+    a.detail = "no RDMA device (ibv_get_device_list found none; see `ibv_devices`, `rdma link`)";
+    return a;
   }
+  std::string seen;
+  for (const DeviceInfo& d : devices) {
+    for (const PortInfo& p : d.ports) {
+      if (p.active && !a.available) {
+        a.available = true;
+        a.device = d.name;
+        a.port_num = p.port_num;
+        a.address = p.ipv4.empty() ? "" : p.ipv4.front();
+        a.detail = describe_port(d, p);
+      }
+      seen += (seen.empty() ? "" : "; ") + describe_port(d, p);
+    }
+    if (d.ports.empty()) seen += (seen.empty() ? "" : "; ") + d.name + " (cannot be opened)";
+  }
+  if (!a.available) a.detail = "no RDMA device has an active port: " + seen;
+  return a;
+}
+
+AutoChoice choose_auto(bool peer_on_same_host, const Availability& rdma, bool shm_built) {
+  AutoChoice c;
   if (rdma.available) {
     c.kind = Kind::kRdma;
     c.reason = fmt::format("transport = \"auto\": using rdma: {}", rdma.detail);
+    if (peer_on_same_host) {
+      // Issue 8: an active port wins even for a peer on this host. Say what
+      // that asks of the addresses, and how to stay off the device.
+      c.reason += "; the peer is on this host, but an active RDMA port comes first (listen and "
+                  "connect on the device's address, not 127.0.0.1; transport = \"shm\" keeps "
+                  "same-host traffic off the device)";
+    }
+    return c;
+  }
+  if (peer_on_same_host && shm_built) {
+    // Deviation from issue 8 (which says tcp here): on one host shm moves
+    // nothing at all (the peer maps our pool), so it beats tcp outright.
+    c.kind = Kind::kShm;
+    c.reason = fmt::format(
+        "transport = \"auto\": using shm (the peer is on this host: shm copies nothing, so it "
+        "replaces tcp there); not rdma: {}",
+        rdma.detail);
     return c;
   }
   c.kind = Kind::kTcp;
-  c.reason = fmt::format("transport = \"auto\": using tcp (remote peer); not rdma: {}", rdma.detail);
+  c.reason = fmt::format("transport = \"auto\": using tcp ({}); not rdma: {}",
+                         peer_on_same_host ? "the peer is on this host but this build has no shm"
+                                           : "the peer is on another host",
+                         rdma.detail);
   return c;
+}
+
+AutoChoice choose_auto(bool peer_on_same_host, const std::vector<DeviceInfo>& devices,
+                       bool shm_built) {
+  return choose_auto(peer_on_same_host, availability_of(devices), shm_built);
 }
 
 }  // namespace ember::transport::rdma

@@ -228,31 +228,101 @@ TEST(RdmaMemlock, ReadsAndAppliesTheProcessLimit) {
 
 // --- transport = "auto" and "rdma" ---
 
-TEST(RdmaSelect, AutoPicksRdmaForARemotePeerWhenADeviceHasAnActivePort) {
-  Availability a;
-  a.available = true;
-  a.device = "rxe0";
-  a.detail = "rxe0 port 1 (ACTIVE, Ethernet, netdev d0, 198.18.0.1)";
-  const AutoChoice c = choose_auto(/*peer_on_same_host=*/false, a);
-  EXPECT_EQ(c.kind, Kind::kRdma);
-  EXPECT_NE(c.reason.find("using rdma"), std::string::npos) << c.reason;
-  EXPECT_NE(c.reason.find("rxe0 port 1"), std::string::npos) << c.reason;
-  // A peer on this host still gets shm, which copies nothing.
-  const AutoChoice local = choose_auto(/*peer_on_same_host=*/true, a);
-  EXPECT_EQ(local.kind, Kind::kShm);
-  EXPECT_NE(local.reason.find("on this host"), std::string::npos) << local.reason;
+// Device lists as probe_devices() reports them, injected into the policy.
+PortInfo port(std::uint8_t num, bool active, std::string netdev = "d0",
+              std::vector<std::string> ipv4 = {"198.18.0.1"}) {
+  PortInfo p;
+  p.port_num = num;
+  p.active = active;
+  p.state = active ? "ACTIVE" : "DOWN";
+  p.link_layer = "Ethernet";
+  p.netdev = std::move(netdev);
+  p.ipv4 = std::move(ipv4);
+  return p;
+}
+DeviceInfo device(std::string name, std::vector<PortInfo> ports) {
+  DeviceInfo d;
+  d.name = std::move(name);
+  d.ports = std::move(ports);
+  return d;
+}
+bool has(const std::string& text, std::string_view part) {
+  return text.find(part) != std::string::npos;
 }
 
-TEST(RdmaSelect, AutoFallsBackToTcpOrShmAndSaysWhy) {
-  Availability none;
-  none.detail = "no RDMA device (ibv_get_device_list found none)";
-  const AutoChoice remote = choose_auto(false, none);
+TEST(RdmaSelect, AvailabilityIsTheFirstActivePortOrSaysWhyNone) {
+  const Availability none = availability_of({});
+  EXPECT_FALSE(none.available);
+  EXPECT_TRUE(has(none.detail, "no RDMA device (ibv_get_device_list found none")) << none.detail;
+
+  const std::vector<DeviceInfo> down = {device("mlx5_0", {port(1, false, "", {})}),
+                                        device("rxe9", {})};
+  const Availability d = availability_of(down);
+  EXPECT_FALSE(d.available);
+  EXPECT_EQ(d.detail,
+            "no RDMA device has an active port: mlx5_0 port 1 (DOWN, Ethernet); rxe9 (cannot be "
+            "opened)");
+
+  const std::vector<DeviceInfo> mixed = {device("mlx5_0", {port(1, false), port(2, true, "eth1", {"10.1.0.5"})}),
+                                         device("rxe0", {port(1, true)})};
+  const Availability a = availability_of(mixed);
+  ASSERT_TRUE(a.available);
+  EXPECT_EQ(a.device, "mlx5_0");
+  EXPECT_EQ(a.port_num, 2);
+  EXPECT_EQ(a.address, "10.1.0.5");
+  EXPECT_EQ(a.detail, "mlx5_0 port 2 (ACTIVE, Ethernet, netdev eth1, 10.1.0.5)");
+}
+
+TEST(RdmaSelect, AnActivePortMeansRdmaForARemotePeerAndForOneOnThisHost) {
+  const std::vector<DeviceInfo> devices = {device("rxe0", {port(1, true)})};
+  const AutoChoice remote = choose_auto(/*peer_on_same_host=*/false, devices);
+  EXPECT_EQ(remote.kind, Kind::kRdma);
+  EXPECT_EQ(remote.reason,
+            "transport = \"auto\": using rdma: rxe0 port 1 (ACTIVE, Ethernet, netdev d0, 198.18.0.1)");
+  // Issue 8: rdma first, even on one host; the line says what that needs.
+  const AutoChoice local = choose_auto(/*peer_on_same_host=*/true, devices);
+  EXPECT_EQ(local.kind, Kind::kRdma);
+  EXPECT_TRUE(has(local.reason, "using rdma: rxe0 port 1")) << local.reason;
+  EXPECT_TRUE(has(local.reason, "the peer is on this host")) << local.reason;
+  EXPECT_TRUE(has(local.reason, "not 127.0.0.1")) << local.reason;
+  EXPECT_TRUE(has(local.reason, "transport = \"shm\"")) << local.reason;
+}
+
+TEST(RdmaSelect, WithoutAnActivePortASameHostPeerGetsShmAndARemoteOneTcp) {
+  for (const std::vector<DeviceInfo>& devices :
+       {std::vector<DeviceInfo>{}, std::vector<DeviceInfo>{device("rxe0", {port(1, false)})}}) {
+    const std::string why_not = availability_of(devices).detail;
+    const AutoChoice local = choose_auto(/*peer_on_same_host=*/true, devices);
+    EXPECT_EQ(local.kind, Kind::kShm);
+    EXPECT_TRUE(has(local.reason, "transport = \"auto\": using shm (the peer is on this host"))
+        << local.reason;
+    EXPECT_TRUE(local.reason.ends_with("; not rdma: " + why_not)) << local.reason;
+    const AutoChoice remote = choose_auto(/*peer_on_same_host=*/false, devices);
+    EXPECT_EQ(remote.kind, Kind::kTcp);
+    EXPECT_EQ(remote.reason,
+              "transport = \"auto\": using tcp (the peer is on another host); not rdma: " + why_not);
+  }
+}
+
+TEST(RdmaSelect, ASameHostPeerGetsTcpWhenTheBuildHasNoShm) {
+  const std::vector<DeviceInfo> devices = {device("rxe0", {port(1, false)})};
+  const AutoChoice c = choose_auto(/*peer_on_same_host=*/true, devices, /*shm_built=*/false);
+  EXPECT_EQ(c.kind, Kind::kTcp);
+  EXPECT_TRUE(has(c.reason, "using tcp (the peer is on this host but this build has no shm)"))
+      << c.reason;
+  // An active port still wins without shm.
+  const std::vector<DeviceInfo> up = {device("rxe0", {port(1, true)})};
+  const AutoChoice rdma = choose_auto(true, up, false);
+  EXPECT_EQ(rdma.kind, Kind::kRdma);
+}
+
+TEST(RdmaSelect, ABuildWithoutRdmaFallsBackAndSaysSo) {
+  Availability not_built;  // what probe_rdma() returns with EMBER_WITH_RDMA=OFF
+  not_built.detail = "this build has no rdma transport (EMBER_WITH_RDMA=OFF: ...)";
+  EXPECT_EQ(choose_auto(true, not_built).kind, Kind::kShm);
+  const AutoChoice remote = choose_auto(false, not_built);
   EXPECT_EQ(remote.kind, Kind::kTcp);
-  EXPECT_NE(remote.reason.find("using tcp"), std::string::npos) << remote.reason;
-  EXPECT_NE(remote.reason.find("no RDMA device"), std::string::npos) << remote.reason;
-  const AutoChoice local = choose_auto(true, none);
-  EXPECT_EQ(local.kind, Kind::kShm);
-  EXPECT_NE(local.reason.find("on this host"), std::string::npos) << local.reason;
+  EXPECT_TRUE(has(remote.reason, "EMBER_WITH_RDMA=OFF")) << remote.reason;
 }
 
 TEST(RdmaHost, ProbeAgreesWithItself) {
