@@ -23,7 +23,7 @@ the same total batch (n*B), and a target is met when every run of that
 transport is within it.
 
 Usage: scripts/bench.sh train [--reps R] [--epochs E] [--batch-size B]
-                             [--max-steps-per-epoch S]
+                             [--max-steps-per-epoch S] [--block-rows R]
    or: bench/train/run.py --build DIR [same options]
 Binaries come from DIR (default build/release); scripts/bench.sh builds them
 (target ember-bench-train) and runs this with --build build/release.
@@ -80,7 +80,8 @@ class Bench:
             if not os.access(b, os.X_OK):
                 sys.exit(f"bench/train: {b} is missing; build it (scripts/bench.sh train does)")
         self.tmp = tempfile.mkdtemp(prefix="ember-bench-train.")
-        self.common = ["--epochs", str(args.epochs), "--seed", "1"]
+        self.common = ["--epochs", str(args.epochs), "--seed", "1",
+                       "--block-rows", str(args.block_rows)]
         if args.max_steps_per_epoch:
             self.common += ["--max-steps-per-epoch", str(args.max_steps_per_epoch)]
 
@@ -158,9 +159,13 @@ def main():
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--max-steps-per-epoch", type=int, default=0)
+    ap.add_argument("--block-rows", type=int, default=32,
+                    help="rows per exchanged weight block (0: whole tensors), worker and baseline")
     args = ap.parse_args()
     if args.reps < 1 or args.epochs < 1 or args.batch_size < 1:
         sys.exit("bench/train: --reps, --epochs and --batch-size must be >= 1")
+    if args.block_rows < 0:
+        sys.exit("bench/train: --block-rows must be >= 0 (0: whole tensors)")
     b = Bench(args)
     B = args.batch_size
     configs = [("baseline", 1, None), ("baseline", 2, None),
@@ -181,6 +186,7 @@ def main():
         return statistics.median(r[k] for r in runs[c])
 
     print(f"\nFashion-MNIST MLP 784-256-128-10, bsp, momentum SGD lr 0.05, batch {B} per worker, "
+          f"row blocks {args.block_rows or 'off'}, "
           f"{args.epochs} epoch(s){', ' + str(args.max_steps_per_epoch) + ' steps/epoch' if args.max_steps_per_epoch else ''}, "
           f"medians of {args.reps} interleaved reps")
     print(f"{'run':<30} {'epoch s':>8} {'samples/s/proc':>15} {'comm share':>11} {'test acc':>9}")
