@@ -165,7 +165,8 @@ struct CommunicationConfig {
   std::string auth_token;
   // record_pattern: record per-channel head/tail positions and message sizes.
   bool record_pattern = false;
-  // record_path: file the recording is written to; required when
+  // record_path: base name of the recording; each process writes
+  // <record_path>.server<i> or <record_path>.worker<r>. Required when
   // record_pattern = true.
   std::string record_path;
 
