@@ -263,6 +263,14 @@ struct WorkerConfig {
   std::chrono::nanoseconds connect_timeout{std::chrono::seconds(10)};
   // connect_retries: further attempts after the first fails; 0 .. 1000000.
   std::uint32_t connect_retries = 20;
+  // resend_attempts: when a connection to a server is lost for a reason a
+  // reconnect can cure (reset, heartbeat timeout, server restart), the worker
+  // reconnects (connect_retries each time) and re-sends the requests still
+  // waiting on it, with the same request id, key, chunk and step (the server
+  // applies a re-sent push once), at most this many times per request and
+  // always within request_timeout. 0: such requests fail with kClosed at
+  // once. 0 .. 100.
+  std::uint32_t resend_attempts = 3;
 
   bool operator==(const WorkerConfig&) const = default;
 };

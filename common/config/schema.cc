@@ -608,6 +608,10 @@ std::vector<Field> build_fields() {
                          "further attempts after a failed connect; 0 .. 1000000",
                          worker(&WorkerConfig::connect_retries), 0, 1'000'000,
                          "use 0 to 1000000 retries"));
+  f.push_back(uint_field("worker", "resend_attempts",
+                         "re-sends of a request after its connection was lost; 0 .. 100",
+                         worker(&WorkerConfig::resend_attempts), 0, 100,
+                         "use 0 (fail at once) to 100 re-sends"));
   return f;
 }
 

@@ -95,6 +95,7 @@ TEST(ConfigDefaults, EmptyTextGivesDefaults) {
   EXPECT_EQ(c.worker.request_timeout, 60s);
   EXPECT_EQ(c.worker.connect_timeout, 10s);
   EXPECT_EQ(c.worker.connect_retries, 20u);
+  EXPECT_EQ(c.worker.resend_attempts, 3u);
   EXPECT_TRUE(validate(Config{}));
   EXPECT_EQ(effective_listen(c), (HostPort{"127.0.0.1", 7070}));
 }
@@ -157,6 +158,7 @@ rank = 3
 request_timeout = "90s"
 connect_timeout = "250ms"
 connect_retries = 0
+resend_attempts = 7
 )",
                      cpu);
 }
@@ -212,6 +214,7 @@ Config all_knobs_config(std::uint32_t cpu) {
   c.worker.request_timeout = 90s;
   c.worker.connect_timeout = 250ms;
   c.worker.connect_retries = 0;
+  c.worker.resend_attempts = 7;
   return c;
 }
 
@@ -354,6 +357,13 @@ TEST(ConfigErrors, OutOfRangeValues) {
   EXPECT_THAT(parse_error("[worker]\nrank = 9223372036854775807\n"),
               HasSubstr("cfg.toml:2: key 'worker.rank': 9223372036854775807 is outside 0 .. "));
   EXPECT_THAT(parse_error("[worker]\nrank = -0x1\n"), HasSubstr("TOML syntax error"));
+  EXPECT_THAT(parse_error("[worker]\nresend_attempts = 101\n"),
+              HasSubstr("cfg.toml:2: key 'worker.resend_attempts': 101 is outside 0 .. 100; use "
+                        "0 (fail at once) to 100 re-sends"));
+  EXPECT_THAT(parse_error("[worker]\nresend_attempts = -1\n"),
+              HasSubstr("cfg.toml:2: key 'worker.resend_attempts': -1 is outside 0 .. 100"));
+  EXPECT_EQ(parse_ok("[worker]\nresend_attempts = 0\n").worker.resend_attempts, 0u);
+  EXPECT_EQ(parse_ok("[worker]\nresend_attempts = 100\n").worker.resend_attempts, 100u);
 }
 
 TEST(ConfigErrors, OptimizerRanges) {
@@ -514,7 +524,7 @@ TEST(ConfigErrors, UnknownKeySuggestsClosest) {
                         "in [worker]: move it there"));
   EXPECT_THAT(parse_error("[worker]\nzzzzzzzzzz = 1\n"),
               HasSubstr("unknown key in [worker]; known keys are: rank, request_timeout, "
-                        "connect_timeout, connect_retries"));
+                        "connect_timeout, connect_retries, resend_attempts"));
   EXPECT_THAT(parse_error("[comunication]\ntransport = \"tcp\"\n"),
               HasSubstr("cfg.toml:1: key 'comunication': unknown table [comunication]; did you "
                         "mean [communication]?"));
