@@ -56,7 +56,7 @@ enum class Transport : std::uint8_t {
   kTcp,   // "tcp": Boost.Asio over TCP (any host)
   kShm,   // "shm": same-host shared memory (memfd pool + shared rings)
   kRdma,  // "rdma": rdma-core verbs, RC queue pairs
-  kAuto,  // "auto": rdma if a device is present, else shm for a same-host peer, else tcp
+  kAuto,  // "auto": shm for a same-host (loopback) peer, else rdma if a port is active, else tcp
 };
 
 // [communication] pool_backing: which pages back the page pool.

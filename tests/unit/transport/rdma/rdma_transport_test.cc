@@ -654,7 +654,7 @@ TEST_F(RdmaErrors, AutoPicksRdmaOnAHostWithAnActiveDevice) {
   EXPECT_EQ(o->kind, Kind::kRdma);
   auto local = options_from_config(comm, /*peer_on_same_host=*/true);
   ASSERT_TRUE(local);
-  EXPECT_EQ(local->kind, Kind::kRdma) << "an active port comes first, also for a peer on this host";
+  EXPECT_EQ(local->kind, Kind::kShm) << "a same-host (loopback) peer gets shm even with an active port";
   comm.transport = config::Transport::kRdma;
   auto r = options_from_config(comm);
   ASSERT_TRUE(r);
