@@ -351,6 +351,7 @@ Status Server::Impl::init(const config::Config& cfg) {
     }
     so.ring_slots = 1024;
     so.max_producers = config.communication.num_io_threads + 16;
+    so.busy_poll = config.communication.busy_poll;
     ShardHooks hooks;
     hooks.sink = this;
     hooks.on_handled = [this](proto::MsgType type, std::chrono::nanoseconds latency) {

@@ -23,7 +23,9 @@ Result<std::unique_ptr<Shard>> Shard::create(ShardOptions options, Optimizer opt
   ring::MpscOptions ro;
   ro.lane_capacity = options.ring_slots;
   ro.max_producers = options.max_producers;
-  EMBER_ASSIGN_OR_RETURN(auto ring, ring::BlockingMpscRing<ShardItem>::create(ro));
+  ring::ParkOptions park;
+  park.busy_poll = options.busy_poll;
+  EMBER_ASSIGN_OR_RETURN(auto ring, ring::BlockingMpscRing<ShardItem>::create(ro, park));
   return std::unique_ptr<Shard>(
       new Shard(std::move(options), std::move(optimizer), std::move(hooks), std::move(ring)));
 }

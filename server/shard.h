@@ -84,6 +84,9 @@ struct ShardOptions {
   std::optional<std::uint32_t> cpu;  // pin the thread here
   std::size_t ring_slots = 1024;     // per producer lane
   std::size_t max_producers = 64;
+  // The shard thread polls its ring this long before it sleeps
+  // ([communication] busy_poll; ring::ParkOptions::busy_poll).
+  std::chrono::nanoseconds busy_poll{0};
 };
 
 // What the shard needs from the server around it. Called on the shard thread.

@@ -1,6 +1,8 @@
 // Operation completion state and waiting; see handle.h.
 #include "worker/handle.h"
 
+#include <sched.h>
+
 #include <algorithm>
 
 namespace ember {
@@ -14,6 +16,9 @@ Result<std::uint64_t> Op::result_locked() const {
 void Op::finish_locked(std::unique_lock<std::mutex>& lock) {
   if (before_done) before_done(result_locked());
   done = true;
+  // release: a waiter that sees the flag and then takes `mutex` reads the
+  // result; the flag alone only ends its polling.
+  done_flag.store(true, std::memory_order_release);
   std::vector<Callback> cbs = std::move(callbacks);
   callbacks.clear();
   const Result<std::uint64_t> r = result_locked();
@@ -79,8 +84,24 @@ bool Handle::ready() const {
   return op_->done;
 }
 
+namespace {
+// Polls op.done_flag for up to min(op.busy_poll, limit); true when it is set.
+bool poll_done(const worker_detail::Op& op, std::chrono::nanoseconds limit) {
+  const std::chrono::nanoseconds budget = std::min(op.busy_poll, limit);
+  if (budget.count() <= 0) return false;
+  const auto end = std::chrono::steady_clock::now() + budget;
+  do {
+    // acquire pairs with the release store in finish_locked().
+    if (op.done_flag.load(std::memory_order_acquire)) return true;
+    sched_yield();
+  } while (std::chrono::steady_clock::now() < end);
+  return op.done_flag.load(std::memory_order_acquire);
+}
+}  // namespace
+
 Result<std::uint64_t> Handle::wait() const {
   if (!op_) return make_error(ErrorCode::kInvalidArgument, "wait on an empty Handle");
+  (void)poll_done(*op_, op_->busy_poll);
   std::unique_lock lock(op_->mutex);
   // The worker's timer fails the operation at its deadline, so this ends.
   op_->cv.wait(lock, [&] { return op_->done; });
@@ -89,6 +110,7 @@ Result<std::uint64_t> Handle::wait() const {
 
 Result<std::uint64_t> Handle::wait_for(std::chrono::nanoseconds timeout) const {
   if (!op_) return make_error(ErrorCode::kInvalidArgument, "wait on an empty Handle");
+  (void)poll_done(*op_, timeout);
   std::unique_lock lock(op_->mutex);
   if (!op_->cv.wait_for(lock, timeout, [&] { return op_->done; })) {
     return make_error(ErrorCode::kTimeout, "operation still running after {} ms",

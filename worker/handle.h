@@ -25,6 +25,7 @@
 // returns kInvalidArgument.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -74,6 +75,12 @@ struct Op {
   std::uint64_t step = ~std::uint64_t{0};
   bool step_set = false;
   std::vector<Callback> callbacks;
+  // Mirrors `done` (release store under `mutex`), so wait() can poll it
+  // without the lock.
+  std::atomic<bool> done_flag{false};
+  // wait() polls done_flag this long (with sched_yield()) before it sleeps
+  // on `cv` ([communication] busy_poll). Set before the Op is shared.
+  std::chrono::nanoseconds busy_poll{0};
   // Runs under `mutex` just before the operation is marked done, so waiters
   // see its effects (the worker records a key's resume step here). Must not
   // block or touch this Op.

@@ -157,6 +157,9 @@ class Arena {
   std::size_t used_ = 0;
 };
 
+// --set KEY=VALUE config overrides, applied to every cluster's config.
+std::vector<std::pair<std::string, std::string>> g_overrides;
+
 // An in-process server and its workers.
 struct Cluster {
   std::string transport;
@@ -183,6 +186,13 @@ struct Cluster {
     if (!cfg) {
       std::fprintf(stderr, "bench: %s\n", cfg.error().to_string().c_str());
       return nullptr;
+    }
+    for (const auto& [key, value] : g_overrides) {
+      if (auto s = ember::config::set_value(*cfg, key, value); !s) {
+        std::fprintf(stderr, "bench: --set %s=%s: %s\n", key.c_str(), value.c_str(),
+                     s.error().to_string().c_str());
+        return nullptr;
+      }
     }
     if (auto s = ember::config::set_listen(*cfg, listen); !s) return nullptr;
     auto server = ember::server::Server::create(*cfg);
@@ -480,7 +490,17 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "interleaved repetitions (medians reported)")->capture_default_str();
   app.add_option("--steps", steps, "ResNet-50 steps per repetition")->capture_default_str();
   app.add_flag("--quick", quick, "smaller run: 1 rep, 2 steps, sweep up to 64 MiB");
+  std::vector<std::string> sets;
+  app.add_option("--set", sets, "config override KEY=VALUE, e.g. communication.busy_poll=0us");
   CLI11_PARSE(app, argc, argv);
+  for (const std::string& s : sets) {
+    const auto eq = s.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      std::fprintf(stderr, "bench: --set %s: expected KEY=VALUE\n", s.c_str());
+      return 2;
+    }
+    g_overrides.emplace_back(s.substr(0, eq), s.substr(eq + 1));
+  }
   if (quick) {
     reps = 1;
     steps = 2;

@@ -136,6 +136,11 @@ struct CommunicationConfig {
   std::uint64_t batch_threshold_bytes = 4096;
   // flush_interval: a partly filled batch is sent after this long. 0 .. 1 s.
   std::chrono::nanoseconds flush_interval{std::chrono::microseconds(20)};
+  // busy_poll: after its last event, an I/O thread, a shard thread and a
+  // worker waiting on a Handle keep polling (with sched_yield()) this long
+  // before they sleep; 0 = sleep at once. 0 .. 10 ms. See
+  // docs/troubleshooting.md#throughput-drops for the trade-off.
+  std::chrono::nanoseconds busy_poll{std::chrono::microseconds(50)};
   // ring_buffer_size: slots per channel ring; a power of two, 2 .. 2^24.
   std::uint32_t ring_buffer_slots = 1024;
   // prealloc_pages: 2 MiB pages reserved for the page pool up front; >= 1.

@@ -458,6 +458,10 @@ std::vector<Field> build_fields() {
   f.push_back(duration_field("communication", "flush_interval",
                              "a partly filled batch is sent after this long; 0s .. 1s",
                              comm(&CommunicationConfig::flush_interval), seconds(1), false));
+  f.push_back(duration_field("communication", "busy_poll",
+                             "poll this long for the next message before sleeping; 0s .. 10ms",
+                             comm(&CommunicationConfig::busy_poll),
+                             std::chrono::milliseconds(10), false));
   f.push_back(uint_field(
       "communication", "ring_buffer_size", "slots per channel ring; a power of two, 2 .. 16777216",
       comm(&CommunicationConfig::ring_buffer_slots), 2, 1u << 24,

@@ -16,8 +16,35 @@ namespace {
 thread_local const IoThreads* t_current = nullptr;
 }  // namespace
 
+namespace {
+// Runs `ctx` until it is stopped or out of work. See the header: polls for
+// up to `busy_poll` after the last handler before blocking.
+void run_context(boost::asio::io_context& ctx, std::chrono::nanoseconds busy_poll) {
+  if (busy_poll.count() <= 0) {
+    ctx.run();
+    return;
+  }
+  using Clock = std::chrono::steady_clock;
+  auto last_work = Clock::now();
+  for (;;) {
+    if (ctx.poll() != 0) {
+      last_work = Clock::now();
+      continue;
+    }
+    if (ctx.stopped()) return;  // stop(), or out of work after join_when_idle()
+    if (Clock::now() - last_work < busy_poll) {
+      sched_yield();
+      continue;
+    }
+    if (ctx.run_one() == 0) return;  // blocks; 0: stopped or out of work
+    last_work = Clock::now();
+  }
+}
+}  // namespace
+
 Result<std::unique_ptr<IoThreads>> IoThreads::start(std::uint32_t num_threads,
-                                                    const std::vector<int>& cpu_affinity) {
+                                                    const std::vector<int>& cpu_affinity,
+                                                    std::chrono::nanoseconds busy_poll) {
   std::unique_ptr<IoThreads> io(new IoThreads());
   for (std::uint32_t i = 0; i < num_threads; ++i) {
     io->contexts_.push_back(std::make_unique<boost::asio::io_context>(1));
@@ -28,7 +55,7 @@ Result<std::unique_ptr<IoThreads>> IoThreads::start(std::uint32_t num_threads,
     boost::asio::io_context* ctx = io->contexts_[i].get();
     const IoThreads* self = io.get();
     try {
-      io->threads_.emplace_back([ctx, self, cpu, i] {
+      io->threads_.emplace_back([ctx, self, cpu, i, busy_poll] {
         t_current = self;
         const std::string name = fmt::format("ember-io-{}", i);
         pthread_setname_np(pthread_self(), name.c_str());
@@ -43,7 +70,7 @@ Result<std::unique_ptr<IoThreads>> IoThreads::start(std::uint32_t num_threads,
         }
         // Handlers never throw (STYLE: nothing throws across a completion
         // handler); run() returning means stop().
-        ctx->run();
+        run_context(*ctx, busy_poll);
       });
     } catch (const std::system_error& e) {
       io->stop();

@@ -27,6 +27,7 @@ Result<Options> options_from_config(const config::CommunicationConfig& comm,
   }
   o.batch_threshold_bytes = comm.batch_threshold_bytes;
   o.flush_interval = comm.flush_interval;
+  o.busy_poll = comm.busy_poll;
   o.ring_slots = comm.ring_buffer_slots;
   o.num_channels = config::resolved_num_channels(comm);
   o.zero_copy = comm.zero_copy == config::ZeroCopy::kSendfile ? ZeroCopy::kSendfile : ZeroCopy::kWritev;

@@ -114,6 +114,9 @@ struct Options {
   // false: every small message is its own frame and its own write system call
   // (the "batching off" baseline of the benchmark; never useful in production).
   bool batching = true;
+  // An I/O thread with nothing to do polls this long before it blocks in
+  // epoll_wait (transport/io_threads.h). 0: block at once.
+  std::chrono::nanoseconds busy_poll{0};
   // Lanes per Connection. The listener accepts only peers that ask for the
   // same count.
   std::uint32_t num_channels = 1;

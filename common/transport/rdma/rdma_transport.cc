@@ -967,7 +967,8 @@ Result<std::unique_ptr<Transport>> create_rdma_transport(Options options) {
     core->comp_channels.push_back(cc);
   }
   EMBER_ASSIGN_OR_RETURN(core->io,
-                         IoThreads::start(core->options.num_io_threads, core->options.cpu_affinity));
+                         IoThreads::start(core->options.num_io_threads, core->options.cpu_affinity,
+                                                  core->options.busy_poll));
   for (std::uint32_t i = 0; i < core->options.num_io_threads; ++i) {
     core->pollers.push_back(std::make_unique<Poller>(core->io->context(i), core->comp_channels[i]));
   }

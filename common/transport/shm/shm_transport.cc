@@ -453,6 +453,8 @@ class Channel {
   Buffer reassembly_;
   std::uint64_t reassembly_filled_ = 0;
   bool torn_down_ = false;
+  // Last time run() moved data (busy polling only).
+  std::chrono::steady_clock::time_point last_progress_{};
   bool started_ = false;
 };
 
@@ -1016,6 +1018,7 @@ void Channel::run() {
     progress = poll_rx() || progress;
     if (torn_down_) return;
     if (progress) {
+      if (options_.busy_poll.count() > 0) last_progress_ = std::chrono::steady_clock::now();
       if (round >= 64) {
         post([this] { run(); });  // let other handlers on this thread run
         return;
@@ -1028,6 +1031,14 @@ void Channel::run() {
       work = has_work();
     }
     if (work) continue;
+    if (options_.busy_poll.count() > 0 &&
+        std::chrono::steady_clock::now() - last_progress_ < options_.busy_poll) {
+      // Busy polling (Options::busy_poll): look again after the other
+      // handlers of this thread ran, without the doorbell's wake-up cost.
+      sched_yield();
+      post([this] { run(); });
+      return;
+    }
     // Park: flag, fence, re-check (pairs with notify_consumer's fence).
     rx_.control().consumer_sleeping.value.store(1);
     std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -1661,7 +1672,8 @@ Result<std::unique_ptr<Transport>> create_shm_transport(Options options) {
   EMBER_TRY(options.validate());
   auto core = std::make_shared<Core>(std::move(options));
   EMBER_ASSIGN_OR_RETURN(core->io,
-                         IoThreads::start(core->options.num_io_threads, core->options.cpu_affinity));
+                         IoThreads::start(core->options.num_io_threads, core->options.cpu_affinity,
+                                                  core->options.busy_poll));
   return std::unique_ptr<Transport>(new ShmTransport(std::move(core)));
 }
 

@@ -1414,7 +1414,8 @@ Result<std::unique_ptr<Transport>> create_tcp_transport(Options options) {
   ignore_sigpipe_once();
   auto core = std::make_shared<Core>(std::move(options));
   EMBER_ASSIGN_OR_RETURN(core->io,
-                         IoThreads::start(core->options.num_io_threads, core->options.cpu_affinity));
+                         IoThreads::start(core->options.num_io_threads, core->options.cpu_affinity,
+                                                  core->options.busy_poll));
   return std::unique_ptr<Transport>(new TcpTransport(std::move(core)));
 }
 

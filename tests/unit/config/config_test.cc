@@ -107,6 +107,7 @@ std::string all_knobs_toml(std::uint32_t cpu) {
 transport = "shm"
 batch_threshold = "8KB"
 flush_interval = "50us"
+busy_poll = "200us"
 ring_buffer_size = 4096
 prealloc_pages = 64
 pool_backing = "thp"
@@ -169,6 +170,7 @@ Config all_knobs_config(std::uint32_t cpu) {
   m.transport = Transport::kShm;
   m.batch_threshold_bytes = 8192;
   m.flush_interval = 50us;
+  m.busy_poll = 200us;
   m.ring_buffer_slots = 4096;
   m.prealloc_pages = 64;
   m.pool_backing = PoolBacking::kThp;
@@ -257,6 +259,9 @@ TEST(ConfigParse, SizesAcceptUnitsAndIntegers) {
 }
 
 TEST(ConfigParse, DurationsAcceptUnits) {
+  EXPECT_EQ(parse_ok("").communication.busy_poll, 50us);
+  EXPECT_EQ(parse_ok("[communication]\nbusy_poll = \"0us\"\n").communication.busy_poll, 0ns);
+  EXPECT_EQ(parse_ok("[communication]\nbusy_poll = \"200us\"\n").communication.busy_poll, 200us);
   EXPECT_EQ(parse_ok("[communication]\nflush_interval = \"0us\"\n").communication.flush_interval,
             0ns);
   EXPECT_EQ(parse_ok("[communication]\nflush_interval = \"1.5ms\"\n").communication.flush_interval,
@@ -335,6 +340,11 @@ TEST(ConfigErrors, OutOfRangeValues) {
   EXPECT_THAT(parse_error("[communication]\nflush_interval = \"2s\"\n"),
               HasSubstr("cfg.toml:2: key 'communication.flush_interval': \"2s\" is above the "
                         "maximum \"1s\""));
+  EXPECT_THAT(parse_error("[communication]\nbusy_poll = \"20ms\"\n"),
+              HasSubstr("cfg.toml:2: key 'communication.busy_poll': \"20ms\" is above the "
+                        "maximum \"10ms\""));
+  EXPECT_THAT(parse_error("[communication]\nbusy_poll = \"-1us\"\n"),
+              HasSubstr("key 'communication.busy_poll'"));
   EXPECT_THAT(parse_error("[communication]\nheartbeat_interval = \"0s\"\n"),
               HasSubstr("cfg.toml:2: key 'communication.heartbeat_interval': must be longer than "
                         "zero"));

@@ -271,4 +271,51 @@ TEST(AsioRingWaiter, CancelCompletesWithOperationAborted) {
 }
 
 }  // namespace
+TEST(BlockingMpscRing, BusyPollingConsumerTakesAPushWithoutSleeping) {
+  ParkOptions park = kParkAtOnce;
+  park.busy_poll = 30s;  // longer than the test: the consumer must never park
+  auto ring = make_ring(park);
+  std::atomic<bool> waiting{false};
+  std::thread producer([&] {
+    ASSERT_TRUE(wait_until([&] { return waiting.load(); }, 10s));
+    auto handle = ring->make_producer().value();
+    ASSERT_TRUE(handle.try_push(7));
+  });
+  int out = 0;
+  waiting = true;
+  const bool got = ring->pop_wait(out, 60s);
+  producer.join();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(out, 7);
+  EXPECT_EQ(ring->parker().num_parks(), 0u) << "a busy-polling consumer went to sleep";
+  EXPECT_EQ(ring->parker().num_signals(), 0u) << "the producer paid for a wake-up";
+}
+
+TEST(BlockingMpscRing, WakeEndsABusyPoll) {
+  ParkOptions park = kParkAtOnce;
+  park.busy_poll = 30s;
+  auto ring = make_ring(park);
+  std::atomic<bool> waiting{false};
+  std::thread waker([&] {
+    ASSERT_TRUE(wait_until([&] { return waiting.load(); }, 10s));
+    ring->wake();
+  });
+  int out = 0;
+  const auto start = std::chrono::steady_clock::now();
+  waiting = true;
+  EXPECT_FALSE(ring->pop_wait(out, 60s));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s) << "wake() did not end the busy poll";
+  waker.join();
+}
+
+TEST(BlockingMpscRing, BusyPollIsBoundedByTheWaitTimeout) {
+  ParkOptions park = kParkAtOnce;
+  park.busy_poll = 30s;
+  auto ring = make_ring(park);
+  int out = 0;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(ring->pop_wait(out, 50ms));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+}
+
 }  // namespace ember::ring

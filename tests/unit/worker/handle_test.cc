@@ -134,4 +134,28 @@ TEST(Handle, WaitAllReturnsTheFirstError) {
 }
 
 }  // namespace
+TEST(Handle, BusyPollingWaitSeesACompletionFromAnotherThread) {
+  auto op = std::make_shared<Op>(1);
+  op->busy_poll = 30s;  // longer than the test: wait() must end by polling
+  Handle h(op);
+  std::thread t([op] { op->complete_part(5); });
+  auto r = h.wait();
+  t.join();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(*r, 5u);
+}
+
+TEST(Handle, WaitForEndsAtItsTimeoutEvenWhileBusyPolling) {
+  auto op = std::make_shared<Op>(1);
+  op->busy_poll = 30s;
+  Handle h(op);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = h.wait_for(20ms);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kTimeout);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+  op->complete_part(1);
+  EXPECT_TRUE(h.wait_for(30s));
+}
+
 }  // namespace ember
