@@ -147,6 +147,7 @@ std::string_view backing_request_name(BackingRequest request) noexcept {
     case BackingRequest::kHugetlb: return "hugetlb";
     case BackingRequest::kTransparentHuge: return "thp";
     case BackingRequest::kPlain: return "plain";
+    case BackingRequest::kAutoNoHugetlb: return "auto without hugetlb";
   }
   return "unknown";
 }
@@ -295,6 +296,8 @@ Result<std::unique_ptr<PagePool>> PagePool::create(const PoolOptions& options) {
     } else {
       fallback_notes = fmt::format("hugetlb: {}", huge.error().message());
     }
+  } else if (request == BackingRequest::kAutoNoHugetlb) {
+    fallback_notes = "hugetlb: skipped, the pool feeds sendfile (a hugetlb memfd cannot: EINVAL)";
   }
   if (!region) {
     const bool want_thp = request != BackingRequest::kPlain;

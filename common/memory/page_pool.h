@@ -16,6 +16,7 @@
 //      (not .../enabled); the pool asks the kernel (smaps "THPeligible") whether
 //      the mapping qualifies and only then reports kTransparentHuge.
 //   3. plain 4 KiB pages of a memfd.
+// BackingRequest::kAutoNoHugetlb tries 2 then 3.
 // The backing obtained is logged (logger "pool") and reported by backing() and
 // stats(). An explicit request that cannot be met is an error that says which
 // setting to change.
@@ -69,8 +70,12 @@ namespace ember::memory {
 enum class Backing : std::uint8_t { kHugetlb, kTransparentHuge, kPlain };
 
 // What the configuration asks for. kAuto tries hugetlb, then THP, then plain.
-// Config names: "auto", "hugetlb", "thp", "plain".
-enum class BackingRequest : std::uint8_t { kAuto, kHugetlb, kTransparentHuge, kPlain };
+// kAutoNoHugetlb is kAuto without the hugetlb step (THP, then plain): what
+// "auto" becomes when the pool must feed sendfile (see
+// backing_request_for_zero_copy). Config names: "auto", "hugetlb", "thp",
+// "plain"; kAutoNoHugetlb has none (backing_request_name says "auto without
+// hugetlb"; parse_backing_request never returns it).
+enum class BackingRequest : std::uint8_t { kAuto, kHugetlb, kTransparentHuge, kPlain, kAutoNoHugetlb };
 
 std::string_view backing_name(Backing backing) noexcept;
 std::string_view backing_request_name(BackingRequest request) noexcept;
@@ -85,6 +90,18 @@ constexpr bool backing_supports_sendfile(Backing backing) noexcept {
 }
 // Why sendfile is refused for `backing`; empty when it is supported.
 std::string_view sendfile_unsupported_reason(Backing backing) noexcept;
+
+// The request to give PagePool::create for a configured `request` when the
+// pool's blocks will be sent with sendfile (`sendfile_source`): kAuto becomes
+// kAutoNoHugetlb, since kAuto could land on hugetlb (whenever hugepages are
+// reserved) and every large send would then fail with EINVAL. Every other
+// request is returned as is (an explicit "hugetlb" with sendfile is refused
+// by the config check, not here). Pure; any thread.
+constexpr BackingRequest backing_request_for_zero_copy(BackingRequest request,
+                                                       bool sendfile_source) noexcept {
+  return sendfile_source && request == BackingRequest::kAuto ? BackingRequest::kAutoNoHugetlb
+                                                             : request;
+}
 
 // prealloc_pages counts pages of this size, whatever the backing.
 inline constexpr std::size_t kPoolPageBytes = kHugePageBytes;  // 2 MiB

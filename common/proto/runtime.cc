@@ -71,6 +71,17 @@ Result<std::unique_ptr<memory::PagePool>> make_pool(const config::Config& config
     case config::PoolBacking::kThp: o.backing = memory::BackingRequest::kTransparentHuge; break;
     case config::PoolBacking::kPlain: o.backing = memory::BackingRequest::kPlain; break;
   }
+  // "auto" may land on hugetlb (when hugepages are reserved), which cannot
+  // feed sendfile: with zero_copy = "sendfile" it skips hugetlb.
+  const bool sendfile = config.communication.zero_copy == config::ZeroCopy::kSendfile;
+  const memory::BackingRequest requested = o.backing;
+  o.backing = memory::backing_request_for_zero_copy(requested, sendfile);
+  if (o.backing != requested) {
+    log::logger("pool")->info(
+        "page pool '{}': pool_backing = \"auto\" skips hugetlb because zero_copy = \"sendfile\" "
+        "(a hugetlb memfd cannot feed sendfile: EINVAL); trying thp, then plain",
+        name);
+  }
   o.name = name;
   return memory::PagePool::create(o);
 }

@@ -527,6 +527,37 @@ TEST(PagePool, AutoPicksTheBestBackingThisMachineOffers) {
   }
 }
 
+TEST(PagePool, AutoSkipsHugetlbWhenThePoolFeedsSendfile) {
+  // The mapping: only "auto" changes, and only for a sendfile source.
+  EXPECT_EQ(backing_request_for_zero_copy(BackingRequest::kAuto, true),
+            BackingRequest::kAutoNoHugetlb);
+  EXPECT_EQ(backing_request_for_zero_copy(BackingRequest::kAuto, false), BackingRequest::kAuto);
+  for (auto r : {BackingRequest::kHugetlb, BackingRequest::kTransparentHuge,
+                 BackingRequest::kPlain, BackingRequest::kAutoNoHugetlb}) {
+    EXPECT_EQ(backing_request_for_zero_copy(r, true), r) << backing_request_name(r);
+    EXPECT_EQ(backing_request_for_zero_copy(r, false), r) << backing_request_name(r);
+  }
+  EXPECT_EQ(backing_request_name(BackingRequest::kAutoNoHugetlb), "auto without hugetlb");
+  // Not a config value.
+  EXPECT_FALSE(parse_backing_request("auto without hugetlb").has_value());
+
+  // The pool: never hugetlb, even where hugepages are reserved; THP when the
+  // kernel allows it, else plain pages, like auto after a hugetlb refusal.
+  PoolOptions o;
+  o.backing = BackingRequest::kAutoNoHugetlb;
+  auto pool = make_pool(2, o);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_NE(pool->backing(), Backing::kHugetlb);
+  EXPECT_TRUE(pool->supports_sendfile());
+  const bool thp_possible =
+      os::shmem_thp_policy_allows_madvise(os::read_shmem_thp_policy().value);
+  EXPECT_EQ(pool->backing(), thp_possible ? Backing::kTransparentHuge : Backing::kPlain);
+  o.inject.deny_transparent_huge = true;
+  auto plain = make_pool(1, o);
+  ASSERT_NE(plain, nullptr);
+  EXPECT_EQ(plain->backing(), Backing::kPlain);
+}
+
 TEST(PagePool, ExplicitHugetlbRequestWithoutHugepagesSaysWhatToRaise) {
   PoolOptions o;
   o.prealloc_pages = 1;
