@@ -8,6 +8,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <queue>
 #include <shared_mutex>
@@ -86,6 +87,17 @@ struct PendingReq {
   std::uint64_t dest_bytes = 0;
   std::uint32_t server = 0;
   std::uint64_t conn_gen = 0;
+  // What a re-send after a lost connection needs: the request as issued
+  // (same request id, key, chunk and step), its channel, its tensor bytes
+  // (the caller's memory, valid until the operation is done) and how often
+  // it was re-sent so far.
+  proto::Header header;
+  std::array<std::uint64_t, proto::kMaxDims> dims{};
+  std::span<const std::byte> data;
+  std::shared_ptr<const std::vector<std::byte>> owned_data;  // backs `data` when the caller's
+                                                             // bytes do not outlive the call
+  std::uint32_t channel = 0;
+  std::uint32_t resends = 0;
 };
 
 // request id → waiting request, sharded to keep I/O and app threads apart.
@@ -149,6 +161,13 @@ struct Outgoing {
   PendingReq pending;  // what to register under header.request_id
 };
 
+// Requests of one lost connection, handed to the link's re-sender thread.
+struct ResendJob {
+  std::uint64_t gen = 0;  // the connection generation that was lost
+  Error reason;           // why it closed
+  std::vector<PendingReq> requests;  // in request-id (issue) order
+};
+
 using ChannelRing = ring::MpscRing<Outgoing>;
 
 // Bytes a request puts on the wire: its encoded header and dims plus the
@@ -166,6 +185,21 @@ struct ServerLink {
   std::vector<std::unique_ptr<std::mutex>> channel_mutex;  // keeps header+payload adjacent
   std::vector<std::unique_ptr<ChannelRing>> rings;         // pipeline queues
   std::vector<std::unique_ptr<std::mutex>> ring_consumer;  // one flusher per ring
+  // Re-sending (Impl::resend_loop). on_closed (an I/O thread) queues a job
+  // and never blocks; the link's re-sender thread, started on first use,
+  // reconnects and re-sends. While jobs are queued or running
+  // (resends_queued > 0), other senders to this server wait (bounded by
+  // request_timeout) so that re-sent requests go out before newer ones.
+  std::mutex resend_mutex;  // guards resend_jobs, resender; never held across a blocking call
+  std::condition_variable resend_cv;
+  std::deque<ResendJob> resend_jobs;
+  std::thread resender;
+  // Jobs queued or running. Written under resend_mutex; the senders' fast-path
+  // load (acquire) pairs with those writes (release).
+  std::atomic<std::uint32_t> resends_queued{0};
+  // Generation of a connection this side closed because the server broke
+  // the protocol: its requests are not re-sent (0: none).
+  std::atomic<std::uint64_t> poisoned_gen{0};
 };
 
 std::uint64_t product(std::span<const std::uint64_t> shape, bool& overflow) {
@@ -209,23 +243,55 @@ struct Worker::Impl {
   std::mutex timer_mutex;
   std::condition_variable timer_cv;
   std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers;
-  bool stopping = false;
+  bool stopping = false;  // the timer thread ends (under timer_mutex)
+  // The Worker is being destroyed: no reconnect back-off, no re-send. Set
+  // under timer_mutex (connect's back-off waits on timer_cv); read anywhere.
+  std::atomic<bool> closing{false};
   std::thread timer_thread;
+
+  // What a request being re-sent is waiting for, appended to its timeout
+  // error so that it names the server, the attempts and the knob.
+  std::mutex notes_mutex;
+  std::unordered_map<const Op*, std::string> resend_notes;
 
   ~Impl() { stop(); }
 
-  void stop() {
-    {
-      std::lock_guard lock(timer_mutex);
-      if (stopping) return;
-      stopping = true;
-    }
-    timer_cv.notify_all();
-    if (timer_thread.joinable()) timer_thread.join();
+  void close_connections() {
     for (auto& s : servers) {
       std::lock_guard lock(s->mutex);
       if (s->conn) s->conn->close(std::chrono::milliseconds(200));
     }
+  }
+
+  void stop() {
+    {
+      std::lock_guard lock(timer_mutex);
+      if (closing.load()) return;
+      closing.store(true);
+    }
+    timer_cv.notify_all();  // interrupts connect back-offs
+    for (auto& s : servers) {
+      std::lock_guard lock(s->resend_mutex);
+      s->resend_cv.notify_all();
+    }
+    // Closing fails the requests a re-sender may be waiting on (its join);
+    // the timer thread still runs, so each of its waits is bounded.
+    close_connections();
+    for (auto& s : servers) {
+      std::thread t;
+      {
+        std::lock_guard lock(s->resend_mutex);
+        t = std::move(s->resender);
+      }
+      if (t.joinable()) t.join();
+    }
+    {
+      std::lock_guard lock(timer_mutex);
+      stopping = true;
+    }
+    timer_cv.notify_all();
+    if (timer_thread.joinable()) timer_thread.join();
+    close_connections();  // one a re-sender opened meanwhile
     for (auto& s : servers) {
       for (std::uint32_t c = 0; c < s->rings.size(); ++c) {
         s->rings[c]->consume(
@@ -257,16 +323,37 @@ struct Worker::Impl {
   // channel (payload-follows). Each slot is used by its channel's I/O thread only.
   struct FollowState {
     std::vector<std::optional<proto::Header>> slots;
+    std::uint64_t gen = 0;  // the connection's generation
   };
   void on_reply(std::uint32_t server, FollowState& follow, transport::Connection& conn,
                 transport::Incoming&& msg);
   void handle_reply(std::uint32_t server, const proto::Header& h, std::span<const std::byte> payload);
   void on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason);
 
+  // ---- re-sending after a lost connection ----
+  // Whether the requests of connection `gen` to `link`, closed with `reason`,
+  // may be re-sent: resend_attempts > 0, the Worker is not closing, this side
+  // did not close it for a protocol error, and the reason is one a reconnect
+  // can cure (reset, heartbeat timeout, orderly close by the peer).
+  bool can_resend(const ServerLink& link, std::uint64_t gen, const Error& reason) const;
+  // The error of a request that is not (or no longer) re-sent.
+  Error lost_error(const ServerLink& link, const Error& reason, std::uint32_t resends,
+                   std::string_view why_not) const;
+  // Queues `job` for the link's re-sender (started on first use). Never blocks.
+  void queue_resend(ServerLink& link, ResendJob&& job);
+  void resend_loop(ServerLink& link);
+  void run_resend(ServerLink& link, ResendJob&& job);
+  // Senders other than the re-sender wait here while re-sends are queued.
+  void wait_for_resends(ServerLink& link);
+  void set_note(const Op* op, std::string note);
+  void clear_note(const Op* op);
+
   // ---- issue ----
   std::shared_ptr<Op> new_op(std::uint32_t parts);
   std::uint64_t new_request_id() { return next_request_id.fetch_add(1, std::memory_order_relaxed); }
-  void send(Outgoing&& o, bool flush_now);
+  // `resending`: the caller is the re-sender or a join (they never wait for
+  // queued re-sends).
+  void send(Outgoing&& o, bool flush_now, bool resending = false);
   void flush_ring(ServerLink& link, std::uint32_t channel);
   Status flush_all_rings();
   void issue(Outgoing&& o, bool pipelined);
@@ -343,6 +430,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   const std::uint32_t s = link.index;
   auto follow = std::make_shared<FollowState>();
   follow->slots.resize(num_channels);
+  follow->gen = gen;
   handlers.on_message = [this, s, follow](transport::Connection& c, transport::Incoming&& m) {
     on_reply(s, *follow, c, std::move(m));
   };
@@ -353,6 +441,10 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   std::chrono::milliseconds backoff(50);
   Error last;
   for (std::uint32_t attempt = 1; attempt <= attempts; ++attempt) {
+    if (closing.load()) {
+      last = Error(ErrorCode::kClosed, "the worker is shutting down");
+      break;
+    }
     auto conn = transport->connect(
         link.address, transport::LocalIdentity{transport::Role::kWorker, config.worker.rank},
         handlers);
@@ -366,10 +458,10 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
     }
     {
       std::unique_lock lock(timer_mutex);
-      if (stopping) break;
+      if (closing.load()) break;
       // Back-off between attempts (the server may still be starting); a
       // Worker being destroyed interrupts it.
-      timer_cv.wait_for(lock, backoff, [&] { return stopping; });
+      timer_cv.wait_for(lock, backoff, [&] { return closing.load(); });
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
@@ -388,11 +480,22 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
   }
   const std::uint64_t new_gen = link.gen + 1;
   EMBER_ASSIGN_OR_RETURN(auto conn, connect(link, new_gen));
+  if (closing.load()) {
+    // stop() closes link.conn after setting `closing`; this one it cannot see.
+    conn->close();
+    return make_error(ErrorCode::kClosed, "worker {}: shutting down while connecting to server {}",
+                      config.worker.rank, link.index);
+  }
   link.conn = conn;
   link.gen = new_gen;
   gen = new_gen;
   lock.unlock();
   if (Status s = join(link); !s) {
+    const ErrorCode code = s.error().code();
+    if (code != ErrorCode::kIo && code != ErrorCode::kTimeout && code != ErrorCode::kClosed &&
+        code != ErrorCode::kUnavailable) {
+      link.poisoned_gen.store(new_gen);  // refused (another [cluster] table): nothing to re-send
+    }
     conn->close();
     return tl::unexpected(s.error());
   }
@@ -415,7 +518,7 @@ Status Worker::Impl::join(ServerLink& link) {
                                   link.index, 0};
   const auto jb_bytes = proto::encode_body(jb);
   o.data = jb_bytes;
-  send(std::move(o), true);
+  send(std::move(o), true, true);
   Handle h(op);
   auto r = h.wait();
   if (!r) {
@@ -462,29 +565,250 @@ void Worker::Impl::timer_loop() {
     timers.pop();
     lock.unlock();
     if (auto op = weak.lock()) {
+      std::string note;
+      {
+        std::lock_guard notes(notes_mutex);
+        if (auto it = resend_notes.find(op.get()); it != resend_notes.end()) note = "; " + it->second;
+      }
       op->fail(Error(ErrorCode::kTimeout,
-                     fmt::format("no reply within [worker] request_timeout ({})",
+                     fmt::format("no reply within [worker] request_timeout ({}){}",
                                  std::chrono::duration_cast<std::chrono::milliseconds>(
-                                     config.worker.request_timeout))));
+                                     config.worker.request_timeout),
+                                 note)));
     }
     lock.lock();
   }
 }
 
 void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason) {
+  ServerLink& link = *servers[server];
   auto lost = pending.take_connection(server, gen);
-  if (!lost.empty() || (reason.code() != ErrorCode::kClosed && reason.code() != ErrorCode::kCancelled)) {
+  const std::uint32_t max_resends = config.worker.resend_attempts;
+  const bool resend = !lost.empty() && can_resend(link, gen, reason);
+  ResendJob job;
+  std::vector<PendingReq> failed;
+  for (auto& r : lost) {
+    // A join belongs to its connection: the reconnect joins again.
+    if (resend && r.type != proto::MsgType::kJoin && r.resends < max_resends) {
+      job.requests.push_back(std::move(r));
+    } else {
+      failed.push_back(std::move(r));
+    }
+  }
+  if (!failed.empty() ||
+      (job.requests.empty() && reason.code() != ErrorCode::kClosed &&
+       reason.code() != ErrorCode::kCancelled)) {
     // The pointer once: a transport reason may carry its own.
     const std::string why = reason.to_string();
     const bool pointed = why.find("docs/troubleshooting.md#") != std::string::npos;
     log->warn("connection to server {} ({}) closed: {}; {} request(s) failed{}", server,
-              servers[server]->address, why, lost.size(),
+              link.address, why, failed.size(),
               pointed ? "" : "; see docs/troubleshooting.md#worker-loss");
   }
-  for (auto& r : lost) {
-    r.op->fail(Error(ErrorCode::kClosed,
-                     fmt::format("connection to server {} ({}) lost before the reply: {}", server,
-                                 servers[server]->address, reason.to_string())));
+  for (auto& r : failed) {
+    std::string why_not;
+    if (r.type == proto::MsgType::kJoin) {
+      why_not = "";
+    } else if (max_resends == 0) {
+      why_not = "not re-sent ([worker] resend_attempts = 0)";
+    } else if (closing.load()) {
+      why_not = "not re-sent: the worker is shutting down";
+    } else if (!resend) {
+      why_not = fmt::format("not re-sent: a reconnect cannot cure '{}' ({})",
+                            error_code_name(reason.code()),
+                            link.poisoned_gen.load() == gen ? "the server broke the protocol"
+                                                            : "not a lost connection");
+    } else {
+      why_not = fmt::format("re-sent {} time(s) already, all [worker] resend_attempts = {} allows",
+                            r.resends, max_resends);
+    }
+    r.op->fail(lost_error(link, reason, r.resends, why_not));
+  }
+  if (job.requests.empty()) return;
+  log->warn("connection to server {} ({}) closed: {}; reconnecting to re-send {} request(s) "
+            "([worker] resend_attempts = {})",
+            server, link.address, reason.to_string(), job.requests.size(), max_resends);
+  // Issue order, so that per key a re-sent step never overtakes an earlier one.
+  std::sort(job.requests.begin(), job.requests.end(), [](const PendingReq& a, const PendingReq& b) {
+    return a.header.request_id < b.header.request_id;
+  });
+  job.gen = gen;
+  job.reason = reason;
+  queue_resend(link, std::move(job));
+}
+
+bool Worker::Impl::can_resend(const ServerLink& link, std::uint64_t gen, const Error& reason) const {
+  if (config.worker.resend_attempts == 0 || closing.load()) return false;
+  if (link.poisoned_gen.load() == gen) return false;
+  switch (reason.code()) {
+    case ErrorCode::kIo:           // reset, crash (no goodbye)
+    case ErrorCode::kTimeout:      // heartbeat timeout
+    case ErrorCode::kClosed:       // orderly close by the peer (restart, drain)
+    case ErrorCode::kUnavailable:
+      return true;
+    default:                       // kCancelled (own shutdown), protocol, auth, config, ...
+      return false;
+  }
+}
+
+Error Worker::Impl::lost_error(const ServerLink& link, const Error& reason, std::uint32_t resends,
+                               std::string_view why_not) const {
+  (void)resends;
+  return Error(ErrorCode::kClosed,
+               fmt::format("connection to server {} ({}) lost before the reply: {}{}{}", link.index,
+                           link.address, reason.to_string(), why_not.empty() ? "" : "; ",
+                           why_not));
+}
+
+void Worker::Impl::set_note(const Op* op, std::string note) {
+  std::lock_guard lock(notes_mutex);
+  resend_notes[op] = std::move(note);
+}
+
+void Worker::Impl::clear_note(const Op* op) {
+  std::lock_guard lock(notes_mutex);
+  resend_notes.erase(op);
+}
+
+void Worker::Impl::queue_resend(ServerLink& link, ResendJob&& job) {
+  {
+    std::lock_guard lock(link.resend_mutex);
+    if (!closing.load()) {
+      link.resends_queued.fetch_add(1, std::memory_order_release);
+      link.resend_jobs.push_back(std::move(job));
+      if (!link.resender.joinable()) {
+        link.resender = std::thread([this, &link] { resend_loop(link); });
+      }
+      job.requests.clear();
+    }
+  }
+  link.resend_cv.notify_all();
+  // Closing (stop() moved the thread out already, or is about to): fail here.
+  for (auto& r : job.requests) {
+    r.op->fail(lost_error(link, job.reason, r.resends, "not re-sent: the worker is shutting down"));
+  }
+}
+
+void Worker::Impl::wait_for_resends(ServerLink& link) {
+  std::unique_lock lock(link.resend_mutex);
+  // Bounded: a sender never waits longer than its own request could.
+  link.resend_cv.wait_for(lock, config.worker.request_timeout, [&] {
+    return closing.load() || link.resends_queued.load(std::memory_order_acquire) == 0;
+  });
+}
+
+void Worker::Impl::resend_loop(ServerLink& link) {
+  pthread_setname_np(pthread_self(), "ember-wresend");
+  for (;;) {
+    ResendJob job;
+    {
+      std::unique_lock lock(link.resend_mutex);
+      link.resend_cv.wait(lock, [&] { return closing.load() || !link.resend_jobs.empty(); });
+      if (link.resend_jobs.empty()) return;  // closing, nothing left
+      job = std::move(link.resend_jobs.front());
+      link.resend_jobs.pop_front();
+    }
+    run_resend(link, std::move(job));
+    {
+      std::lock_guard lock(link.resend_mutex);
+      link.resends_queued.fetch_sub(1, std::memory_order_release);
+    }
+    link.resend_cv.notify_all();
+  }
+}
+
+void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
+  const std::uint32_t max_resends = config.worker.resend_attempts;
+  std::vector<PendingReq>& reqs = job.requests;
+  std::vector<const Op*> noted;
+  for (const auto& r : reqs) noted.push_back(r.op.get());
+  struct ClearNotes {
+    Impl* impl;
+    const std::vector<const Op*>& ops;
+    ~ClearNotes() {
+      for (const Op* op : ops) impl->clear_note(op);
+    }
+  } clear_notes{this, noted};
+  const std::string lost = fmt::format("connection to server {} ({}) lost before the reply: {}",
+                                       link.index, link.address, job.reason.to_string());
+  Error last = job.reason;
+  std::chrono::milliseconds backoff(50);
+  bool back_off = false;
+  for (;;) {
+    // Requests whose operation is over (timed out, or failed on another
+    // chunk) are dropped: the caller may reuse their buffers.
+    std::erase_if(reqs, [](const PendingReq& r) {
+      std::lock_guard lock(r.op->mutex);
+      return r.op->done;
+    });
+    if (reqs.empty()) return;
+    if (closing.load()) {
+      for (auto& r : reqs) {
+        r.op->fail(Error(ErrorCode::kClosed, lost + "; not re-sent: the worker is shutting down"));
+      }
+      return;
+    }
+    if (back_off) {
+      // Between reconnect attempts (connect() backs off within one attempt);
+      // a Worker being destroyed interrupts it.
+      back_off = false;
+      {
+        std::unique_lock lock(timer_mutex);
+        timer_cv.wait_for(lock, backoff, [&] { return closing.load(); });
+      }
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+      continue;  // re-check `closing` and the operations
+    }
+    std::vector<PendingReq> keep;
+    for (auto& r : reqs) {
+      if (r.resends >= max_resends) {
+        r.op->fail(Error(ErrorCode::kClosed,
+                         fmt::format("{}; re-sending gave up after {} attempt(s) ([worker] "
+                                     "resend_attempts = {}); the last: {}",
+                                     lost, r.resends, max_resends, last.to_string())));
+        continue;
+      }
+      ++r.resends;
+      set_note(r.op.get(),
+               fmt::format("{}; re-sending, attempt {} of [worker] resend_attempts = {}; the last "
+                           "error: {}",
+                           lost, r.resends, max_resends, last.to_string()));
+      keep.push_back(std::move(r));
+    }
+    reqs = std::move(keep);
+    if (reqs.empty()) return;
+    std::uint64_t gen = 0;
+    auto conn = connection(link, gen);
+    if (!conn) {
+      last = conn.error();
+      const ErrorCode code = last.code();
+      if (code != ErrorCode::kIo && code != ErrorCode::kTimeout && code != ErrorCode::kClosed &&
+          code != ErrorCode::kUnavailable) {
+        for (auto& r : reqs) {
+          r.op->fail(Error(code, fmt::format("{}; re-sending stopped, reconnecting failed: {}",
+                                             lost, last.to_string())));
+        }
+        return;
+      }
+      back_off = true;
+      continue;
+    }
+    log->info("reconnected to server {} ({}); re-sending {} request(s)", link.index, link.address,
+              reqs.size());
+    for (auto& r : reqs) {
+      Outgoing o;
+      o.server = link.index;
+      o.channel = r.channel;
+      o.header = r.header;
+      o.dims = r.dims;
+      o.data = r.data;
+      o.op = r.op;
+      o.pending = std::move(r);
+      // This send's completion (the previous one was counted when it ran).
+      if (is_large(o.data.size(), o.header)) o.op->add_parts(1);
+      send(std::move(o), true, true);
+    }
+    return;
   }
 }
 
@@ -492,6 +816,7 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
                             transport::Incoming&& msg) {
   if (msg.channel >= follow.slots.size()) {
     log->error("server {} sent on channel {}; closing the connection", server, msg.channel);
+    servers[server]->poisoned_gen.store(follow.gen);  // a protocol error: not re-sent
     conn.close();
     return;
   }
@@ -502,7 +827,8 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
     if (msg.bytes.size() != proto::tensor_bytes(h)) {
       log->error("server {}: {} announced {} bytes, the next message has {}; closing the connection",
                  server, proto::describe(h), proto::tensor_bytes(h), msg.bytes.size());
-      conn.close();
+      servers[server]->poisoned_gen.store(follow.gen);  // a protocol error: not re-sent
+    conn.close();
       return;
     }
     handle_reply(server, h, msg.bytes);
@@ -512,6 +838,7 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
   if (!decoded || !decoded->header.is_reply()) {
     log->error("server {} sent a bad message ({}); closing the connection", server,
                decoded ? "a request" : decoded.error().to_string());
+    servers[server]->poisoned_gen.store(follow.gen);  // a protocol error: not re-sent
     conn.close();
     return;
   }
@@ -558,8 +885,12 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
   }
 }
 
-void Worker::Impl::send(Outgoing&& o, bool flush_now) {
+void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   ServerLink& link = *servers[o.server];
+  // Re-sent requests of this server go first (rare: a connection was lost).
+  if (!resending && link.resends_queued.load(std::memory_order_acquire) != 0) [[unlikely]] {
+    wait_for_resends(link);
+  }
   std::uint64_t gen = 0;
   auto conn = connection(link, gen);
   if (!conn) {
@@ -571,14 +902,36 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now) {
   o.pending.type = o.header.type;
   o.pending.server = o.server;
   o.pending.conn_gen = gen;
+  o.pending.header = o.header;
+  if (o.header.ndim != 0) o.pending.dims = o.dims;
+  o.pending.data = o.data;
+  o.pending.channel = o.channel;
   const std::uint64_t id = o.header.request_id;
   pending.insert(id, std::move(o.pending));
-  auto fail = [&](Error e) {
-    pending.take(id);
+  const bool large = is_large(o.data.size(), o.header);
+  // `lost_completion`: a large send whose completion will not run (its
+  // part must be counted here if the request is re-sent).
+  auto fail = [&](Error e, bool lost_completion) {
+    if (e.code() == ErrorCode::kClosed && can_resend(link, gen, e)) {
+      // The connection closed under this send: re-send it like the requests
+      // on_closed finds, unless on_closed took it already (then it did).
+      auto req = pending.take(id);
+      if (!req) return;
+      if (lost_completion) o.op->complete_part(std::nullopt);
+      if (req->type != proto::MsgType::kJoin && req->resends < config.worker.resend_attempts) {
+        ResendJob job;
+        job.gen = gen;
+        job.reason = e;
+        job.requests.push_back(std::move(*req));
+        queue_resend(link, std::move(job));
+        return;
+      }
+    } else {
+      pending.take(id);
+    }
     e.with_context(fmt::format("sending {} to server {}", proto::msg_type_name(o.header.type), o.server));
     o.op->fail(std::move(e));
   };
-  const bool large = is_large(o.data.size(), o.header);
   std::lock_guard channel_lock(*link.channel_mutex[o.channel]);
   transport::Connection& c = **conn;
   if (!large) {
@@ -587,13 +940,13 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now) {
     buf.resize(prefix + o.data.size());
     proto::encode_prefix(o.header, std::span(o.dims.data(), o.header.ndim), buf);
     if (!o.data.empty()) std::memcpy(buf.data() + prefix, o.data.data(), o.data.size());
-    if (Status s = c.send(o.channel, buf); !s) return fail(s.error());
+    if (Status s = c.send(o.channel, buf); !s) return fail(s.error(), false);
   } else {
     o.header.flags |= proto::kFlagPayloadFollows;
     std::array<std::byte, proto::kHeaderBytes + 8 * proto::kMaxDims> head;
     const std::size_t prefix = proto::prefix_bytes(o.header);
     proto::encode_prefix(o.header, std::span(o.dims.data(), o.header.ndim), head);
-    if (Status s = c.send(o.channel, std::span(head.data(), prefix)); !s) return fail(s.error());
+    if (Status s = c.send(o.channel, std::span(head.data(), prefix)); !s) return fail(s.error(), true);
     auto* bytes = const_cast<std::byte*>(o.data.data());
     transport::Buffer payload;
     if (pool->contains(bytes) && pool->contains(bytes + o.data.size() - 1)) {
@@ -610,8 +963,11 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now) {
       std::memcpy(payload.data(), bytes, o.data.size());
     }
     std::shared_ptr<Op> op = o.op;
-    Status s = c.send(o.channel, std::move(payload), [op](const Status& st) {
-      if (st) {
+    Status s = c.send(o.channel, std::move(payload), [this, op](const Status& st) {
+      if (st || (config.worker.resend_attempts > 0 && !closing.load())) {
+        // Failed with resending on: the connection is lost, and its request
+        // (the reply part, still open) is re-sent with a fresh completion,
+        // or fails, when on_closed runs next.
         op->complete_part(std::nullopt);
       } else {
         op->fail(st.error());
@@ -622,7 +978,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now) {
     // channel as its payload, so the connection cannot be used any more.
     if (!s) {
       c.close();
-      return fail(s.error());
+      return fail(s.error(), true);
     }
   }
   if (flush_now) (void)c.flush(o.channel);
@@ -832,6 +1188,8 @@ Handle Worker::Impl::broadcast(proto::MsgType type, std::span<const std::byte> p
                                std::uint64_t step) {
   const std::uint32_t n = server0_only ? 1 : static_cast<std::uint32_t>(servers.size());
   auto op = new_op(n);
+  std::shared_ptr<const std::vector<std::byte>> owned;
+  if (!payload.empty()) owned = std::make_shared<const std::vector<std::byte>>(payload.begin(), payload.end());
   for (std::uint32_t s = 0; s < n; ++s) {
     Outgoing o;
     o.server = s;
@@ -842,7 +1200,11 @@ Handle Worker::Impl::broadcast(proto::MsgType type, std::span<const std::byte> p
     o.header.num_elements = num_elements;
     o.header.worker_rank = config.worker.rank;
     o.header.step = step;
-    o.data = payload;
+    if (!payload.empty()) {
+      // The caller's bytes may not outlive this call; a re-send needs them.
+      o.pending.owned_data = owned;
+      o.data = *owned;
+    }
     issue(std::move(o), false);
   }
   return Handle(op);

@@ -38,6 +38,24 @@
 // chunks (below batch_threshold) are copied once into the channel's batch.
 // A pull's parameters are copied once from the receive buffer into `out`.
 //
+// Lost connections. When a connection to a server closes for a reason a
+// reconnect can cure (peer reset or crash, heartbeat timeout, orderly close
+// by a restarting server), the requests still waiting on it are not failed:
+// a per-server re-sender thread reconnects (connect_retries with back-off),
+// joins again, and re-sends them in issue order with the same request id,
+// key, chunk and step — the server applies a re-sent push once (it
+// deduplicates by worker, key and step; a server restored from a checkpoint
+// takes it as new). Each request is re-sent at most [worker]
+// resend_attempts times (a failed reconnect counts), and its operation
+// still fails at request_timeout (kTimeout, naming the server and the
+// attempt). While re-sends for a server are queued, new requests to it wait
+// (at most request_timeout) so they do not overtake them. Not re-sent:
+// resend_attempts = 0, protocol errors (the worker closed the connection),
+// a refused join (another [cluster] table), the Worker's own destruction;
+// those requests fail with kClosed ("connection to server <i> (<addr>) lost
+// before the reply: ..."). Re-sending reads the caller's gradient again, so
+// buffers must stay valid until the operation is done (handle.h).
+//
 // Asynchrony. Every call returns a Handle at once (handle.h); wait() or
 // async_wait() gives the Result. Errors found before sending (unknown key,
 // wrong sizes) come back as an already failed Handle. Calls from different
@@ -151,7 +169,8 @@ class Worker {
 
   // Errors: kNotFound (key not init-ed by this worker, or unknown on the
   // server), kInvalidArgument (gradient.size() != elements), kShapeMismatch,
-  // kStale (bsp: the step's round is over), kClosed, kTimeout.
+  // kStale (bsp: the step's round is over), kClosed (connection lost and not
+  // re-sent, or re-sending gave up; see "Lost connections"), kTimeout.
   Handle push(Key key, std::span<const float> gradient);
   Handle push(Key key, std::span<const float> gradient, std::uint64_t step);
 

@@ -1,0 +1,258 @@
+// Re-sending after a lost connection ([worker] resend_attempts), through
+// real ember-server processes on 127.0.0.1:
+//  * kill -9 the server while a BSP push_pull waits for the other worker,
+//    restart it on the same port from its checkpoint: the pending operation
+//    completes without the caller retrying, and the gradient was applied
+//    exactly once (bit-identical to a server that never died);
+//  * resend_attempts = 0: the operation fails with kClosed, as before;
+//  * a server that never comes back: the operation fails within
+//    request_timeout with an error naming the server, the attempts and the
+//    knob (attempts used up first, or the timeout first).
+// Nothing sleeps to wait: processes are awaited through their stdout and
+// pidfd with deadlines, operations through their Handles.
+#include <signal.h>
+
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/integration/server/harness.h"
+#include "worker/worker.h"
+
+namespace ember::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr Key kKey = 7;
+const std::uint64_t kShape[] = {4, 8};
+constexpr std::size_t kElements = 32;
+
+std::vector<float> initial() {
+  std::vector<float> v(kElements);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.25f * static_cast<float>(i) - 3.0f;
+  return v;
+}
+
+// Different per rank and step, so that a gradient applied twice (or not at
+// all) changes the parameters.
+std::vector<float> gradient(std::uint32_t rank, int step) {
+  std::vector<float> g(kElements);
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    g[i] = std::sin(static_cast<float>(step * 97 + static_cast<int>(i) * 13 + static_cast<int>(rank) * 7));
+  }
+  return g;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<Worker> make_worker(const ClusterSpec& spec, const std::string& address,
+                                    std::uint32_t rank,
+                                    const std::vector<std::pair<std::string, std::string>>& set = {}) {
+  config::Config c = worker_config(spec, {address}, rank);
+  for (const auto& [k, v] : set) {
+    Status s = config::set_value(c, k, v);
+    EXPECT_TRUE(s) << k << ": " << s.error().to_string();
+  }
+  auto w = Worker::create(c);
+  EXPECT_TRUE(w) << w.error().to_string();
+  return w ? std::move(*w) : nullptr;
+}
+
+// init on both workers (rank 0 gives the values).
+void init_both(Worker& w0, Worker& w1) {
+  auto i1 = w1.init(kKey, kShape, {});
+  auto r0 = w0.init(kKey, kShape, initial()).wait();
+  ASSERT_TRUE(r0) << r0.error().to_string();
+  auto r1 = i1.wait();
+  ASSERT_TRUE(r1) << r1.error().to_string();
+}
+
+// One BSP step of both workers; the parameters after it land in p0 and p1.
+void step_both(Worker& w0, Worker& w1, int t, std::vector<float>& p0, std::vector<float>& p1) {
+  // Gradients stay valid until their operations are done (a re-send reads them again).
+  const std::vector<float> g0 = gradient(0, t), g1 = gradient(1, t);
+  auto h1 = w1.push_pull(kKey, g1, p1);
+  auto r0 = w0.push_pull(kKey, g0, p0).wait();
+  ASSERT_TRUE(r0) << "step " << t << ": " << r0.error().to_string();
+  auto r1 = h1.wait();
+  ASSERT_TRUE(r1) << "step " << t << ": " << r1.error().to_string();
+}
+
+// The server's config file (written by ServerProcess) started again on the
+// same address; EXPECTs its ready line.
+std::unique_ptr<Process> restart_server(const TempDir& dir, const std::string& address,
+                                        const std::string& log_name) {
+  std::vector<std::string> args{"--config", (dir / "server0.toml").string(), "--listen", address,
+                                "--set", "server.server_index=0", "--set",
+                                "server.metrics_listen=127.0.0.1:0"};
+  auto p = std::make_unique<Process>(server_binary(), args, dir / log_name);
+  EXPECT_TRUE(p->wait_line("ember-server ready", 30s))
+      << "ember-server did not come back on " << address << ":\n"
+      << read_file(dir / log_name);
+  return p;
+}
+
+void kill_nine(ServerProcess& server) {
+  server.process().signal(SIGKILL);
+  ASSERT_TRUE(server.process().wait_exit());
+}
+
+TEST(WorkerResend, PushPullPendingAcrossAKilledAndRestartedServerCompletesAndIsAppliedOnce) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.optimizer = "adam";  // a gradient applied twice also moves Adam's moments
+  spec.learning_rate = 0.05;
+  spec.checkpoint_dir = (dir / "ckpt").string();
+  std::vector<float> p0(kElements), p1(kElements);
+  auto server = std::make_unique<ServerProcess>(dir, spec, 0);
+  ASSERT_TRUE(server->ok());
+  const std::string address = server->address();
+  auto w0 = make_worker(spec, address, 0);
+  auto w1 = make_worker(spec, address, 1);
+  ASSERT_TRUE(w0 && w1);
+  init_both(*w0, *w1);
+  for (int t = 0; t < 2; ++t) step_both(*w0, *w1, t, p0, p1);
+  auto seq = w0->checkpoint().wait();
+  ASSERT_TRUE(seq) << seq.error().to_string();
+
+  // Step 2: worker 0's push_pull waits for worker 1's push, which comes only
+  // after the server died and came back.
+  const std::vector<float> g0 = gradient(0, 2), g1 = gradient(1, 2);  // valid until done
+  Handle pending = w0->push_pull(kKey, g0, p0);
+  kill_nine(*server);
+  EXPECT_FALSE(pending.ready());
+  auto again = restart_server(dir, address, "server0-restarted.log");
+  ASSERT_TRUE(again->running());
+  EXPECT_THAT(read_file(dir / "server0-restarted.log"), HasSubstr("restored checkpoint"));
+  auto r1 = w1->push_pull(kKey, g1, p1).wait();
+  ASSERT_TRUE(r1) << r1.error().to_string();
+  auto r0 = pending.wait();  // no retry by the caller
+  ASSERT_TRUE(r0) << r0.error().to_string();
+  EXPECT_EQ(*r0, 3u);
+  EXPECT_EQ(*r1, 3u);
+  EXPECT_TRUE(same_bits(p0, p1));
+  // The job goes on from there.
+  step_both(*w0, *w1, 3, p0, p1);
+  // The worker rejoined the restarted server.
+  EXPECT_THAT(read_file(dir / "server0-restarted.log"), HasSubstr("worker 0 connected"));
+
+  // The same four steps on a server that never died.
+  TempDir ref_dir;
+  ClusterSpec ref_spec = spec;
+  ref_spec.checkpoint_dir = "";
+  ServerProcess ref(ref_dir, ref_spec, 0);
+  ASSERT_TRUE(ref.ok());
+  auto v0 = make_worker(ref_spec, ref.address(), 0);
+  auto v1 = make_worker(ref_spec, ref.address(), 1);
+  ASSERT_TRUE(v0 && v1);
+  init_both(*v0, *v1);
+  std::vector<float> q0(kElements), q1(kElements);
+  for (int t = 0; t < 4; ++t) step_both(*v0, *v1, t, q0, q1);
+  EXPECT_TRUE(same_bits(p0, q0)) << "the re-sent step was not applied exactly once: "
+                                 << fmt::format("{} vs {}", fmt::join(p0, ","), fmt::join(q0, ","));
+  EXPECT_TRUE(same_bits(p1, q1));
+}
+
+// One worker whose pull of step 1 waits (nobody pushes step 0) when the
+// server is killed.
+struct PendingPull {
+  TempDir dir;
+  ClusterSpec spec;
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<Worker> worker;
+  std::vector<float> out = std::vector<float>(kElements, -1.0f);
+
+  using Settings = std::vector<std::pair<std::string, std::string>>;
+  explicit PendingPull(const Settings& set,
+                       const std::string& request_timeout = "20s") {
+    spec.request_timeout = request_timeout;
+    server = std::make_unique<ServerProcess>(dir, spec, 0);
+    if (!server->ok()) return;
+    worker = make_worker(spec, server->address(), 0, set);
+    if (!worker) return;
+    auto r = worker->init(kKey, kShape, initial()).wait();
+    EXPECT_TRUE(r) << r.error().to_string();
+  }
+  Handle pull_step_1() { return worker->pull(kKey, out, 1); }
+};
+
+TEST(WorkerResend, ZeroAttemptsFailsWithClosedAtOnce) {
+  PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "0"}});
+  ASSERT_TRUE(s.worker);
+  Handle pending = s.pull_step_1();
+  EXPECT_FALSE(pending.ready());
+  const auto t0 = std::chrono::steady_clock::now();
+  kill_nine(*s.server);
+  auto r = pending.wait();
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kClosed) << r.error().to_string();
+  EXPECT_THAT(r.error().message(),
+              HasSubstr(fmt::format("connection to server 0 ({}) lost before the reply",
+                                    s.server->address())));
+  EXPECT_THAT(r.error().message(), HasSubstr("not re-sent ([worker] resend_attempts = 0)"));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  EXPECT_EQ(s.out, std::vector<float>(kElements, -1.0f));
+}
+
+TEST(WorkerResend, ServerThatNeverComesBackFailsAfterTheAttemptsNamingServerAndKnob) {
+  // Refused connects fail fast: three reconnect attempts end well before
+  // request_timeout.
+  PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "3"}, {"worker.connect_retries", "1"}},
+                "8s");
+  ASSERT_TRUE(s.worker);
+  Handle pending = s.pull_step_1();
+  const auto t0 = std::chrono::steady_clock::now();
+  kill_nine(*s.server);
+  auto r = pending.wait();
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kClosed) << r.error().to_string();
+  const std::string msg = r.error().message();
+  EXPECT_THAT(msg, HasSubstr(fmt::format("server 0 ({})", s.server->address())));
+  EXPECT_THAT(msg, HasSubstr("re-sending gave up after 3 attempt(s) ([worker] resend_attempts = 3)"));
+  EXPECT_THAT(msg, HasSubstr("cannot connect to server 0")) << "the last reconnect error";
+  EXPECT_LT(waited, 8s);
+  EXPECT_EQ(s.out, std::vector<float>(kElements, -1.0f));
+}
+
+TEST(WorkerResend, ServerThatNeverComesBackFailsWithinRequestTimeoutNamingTheAttempts) {
+  // Many connect retries with back-off: request_timeout ends it first.
+  PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "3"}, {"worker.connect_retries", "50"}},
+                "2s");
+  ASSERT_TRUE(s.worker);
+  const auto t0 = std::chrono::steady_clock::now();
+  Handle pending = s.pull_step_1();
+  kill_nine(*s.server);
+  auto r = pending.wait();
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kTimeout) << r.error().to_string();
+  const std::string msg = r.error().message();
+  EXPECT_THAT(msg, HasSubstr("no reply within [worker] request_timeout (2000ms)"));
+  EXPECT_THAT(msg, HasSubstr(fmt::format("connection to server 0 ({}) lost before the reply",
+                                         s.server->address())));
+  EXPECT_THAT(msg, HasSubstr("re-sending, attempt 1 of [worker] resend_attempts = 3"));
+  EXPECT_GE(waited, 1500ms);
+  EXPECT_LT(waited, 6s);
+  // Destroying the worker while it still tries to reconnect ends promptly.
+  const auto t1 = std::chrono::steady_clock::now();
+  s.worker.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 5s);
+}
+
+}  // namespace
+}  // namespace ember::test
