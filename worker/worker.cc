@@ -534,6 +534,7 @@ Status Worker::Impl::join(ServerLink& link) {
 
 std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts) {
   auto op = std::make_shared<Op>(parts);
+  op->busy_poll = config.communication.busy_poll;
   bool earliest = false;
   {
     std::lock_guard lock(timer_mutex);

@@ -46,6 +46,7 @@ Result<transport::Options> transport_options(const config::Config& config) {
   }
   o.batch_threshold_bytes = c.batch_threshold_bytes;
   o.flush_interval = c.flush_interval;
+  o.busy_poll = c.busy_poll;
   o.num_channels = config::resolved_num_channels(c);
   o.zero_copy = c.zero_copy == config::ZeroCopy::kSendfile ? transport::ZeroCopy::kSendfile
                                                            : transport::ZeroCopy::kWritev;

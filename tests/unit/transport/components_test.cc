@@ -256,6 +256,7 @@ TEST(OptionsFromConfig, MapsEveryCommunicationKey) {
   c.transport = config::Transport::kShm;
   c.batch_threshold_bytes = 8192;
   c.flush_interval = 50us;
+  c.busy_poll = 300us;
   c.ring_buffer_slots = 256;
   c.num_channels = 3;
   c.zero_copy = config::ZeroCopy::kSendfile;
@@ -270,6 +271,7 @@ TEST(OptionsFromConfig, MapsEveryCommunicationKey) {
   EXPECT_EQ(o->kind, Kind::kShm);
   EXPECT_EQ(o->batch_threshold_bytes, 8192u);
   EXPECT_EQ(o->flush_interval, 50us);
+  EXPECT_EQ(o->busy_poll, 300us);
   EXPECT_EQ(o->ring_slots, 256u);
   EXPECT_EQ(o->num_channels, 3u);
   EXPECT_EQ(o->zero_copy, ZeroCopy::kSendfile);
