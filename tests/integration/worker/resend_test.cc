@@ -5,6 +5,9 @@
 //    completes without the caller retrying, and the gradient was applied
 //    exactly once (bit-identical to a server that never died);
 //  * resend_attempts = 0: the operation fails with kClosed, as before;
+//  * SIGSTOP the server past heartbeat_timeout after it recorded a push: the
+//    worker's re-send reaches the same server, which deduplicates it (the
+//    gradient counts once);
 //  * a server that never comes back: the operation fails within
 //    request_timeout with an error naming the server, the attempts and the
 //    knob (attempts used up first, or the timeout first).
@@ -15,13 +18,17 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <spdlog/sinks/base_sink.h>
 
+#include "common/base/logging.h"
 #include "tests/integration/server/harness.h"
 #include "worker/worker.h"
 
@@ -165,6 +172,84 @@ TEST(WorkerResend, PushPullPendingAcrossAKilledAndRestartedServerCompletesAndIsA
   EXPECT_TRUE(same_bits(p0, q0)) << "the re-sent step was not applied exactly once: "
                                  << fmt::format("{} vs {}", fmt::join(p0, ","), fmt::join(q0, ","));
   EXPECT_TRUE(same_bits(p1, q1));
+}
+
+// Lets a test wait (with a deadline) for a line of the "worker" logger.
+class LogWatch : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  bool wait_for(const std::string& text, std::chrono::milliseconds timeout) {
+    std::unique_lock lock(seen_mutex_);
+    return cv_.wait_for(lock, timeout, [&] { return seen_.find(text) != std::string::npos; });
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    {
+      std::lock_guard lock(seen_mutex_);
+      seen_.append(msg.payload.data(), msg.payload.size());
+      seen_ += '\n';
+    }
+    cv_.notify_all();
+  }
+  void flush_() override {}
+
+ private:
+  std::mutex seen_mutex_;
+  std::condition_variable cv_;
+  std::string seen_;
+};
+
+TEST(WorkerResend, ResendToAServerThatKeptItsStateIsDeduplicated) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.learning_rate = 0.5;
+  spec.worker_timeout = "20s";
+  auto server = std::make_unique<ServerProcess>(dir, spec, 0);
+  ASSERT_TRUE(server->ok());
+  auto w0 = make_worker(spec, server->address(), 0);
+  auto w1 = make_worker(spec, server->address(), 1);
+  ASSERT_TRUE(w0 && w1);
+  init_both(*w0, *w1);
+  std::vector<float> p0(kElements), p1(kElements);
+  step_both(*w0, *w1, 0, p0, p1);
+
+  const std::vector<float> g0 = gradient(0, 1), g1 = gradient(1, 1);  // valid until done
+  Handle pending = w0->push_pull(kKey, g0, p0);
+  // Wait until the server recorded worker 0's push of step 1 (its metrics).
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  bool recorded = false;
+  while (!recorded && std::chrono::steady_clock::now() < deadline) {
+    recorded = http_get(server->metrics_address(), "/metrics")
+                   .find("ember_server_worker_step{rank=\"0\"} 1") != std::string::npos;
+  }
+  ASSERT_TRUE(recorded) << http_get(server->metrics_address(), "/metrics");
+
+  auto watch = std::make_shared<LogWatch>();
+  auto log = ember::log::logger("worker");
+  log->sinks().push_back(watch);
+  // Frozen past heartbeat_timeout (2s): the worker gives the connection up
+  // (kTimeout) and re-sends to the same server once it answers again.
+  server->process().signal(SIGSTOP);
+  const bool noticed = watch->wait_for("reconnecting to re-send 1 request(s)", 15s);
+  server->process().signal(SIGCONT);
+  log->sinks().pop_back();
+  ASSERT_TRUE(noticed);
+  auto r1 = w1->push_pull(kKey, g1, p1).wait();
+  ASSERT_TRUE(r1) << r1.error().to_string();
+  auto r0 = pending.wait();
+  ASSERT_TRUE(r0) << r0.error().to_string();
+  EXPECT_EQ(*r0, 2u);
+  EXPECT_TRUE(same_bits(p0, p1));
+  // By hand (sgd, lr 0.5, mean of the two ranks' gradients per step).
+  std::vector<float> expect = initial();
+  for (int t = 0; t < 2; ++t) {
+    const auto a = gradient(0, t), b = gradient(1, t);
+    for (std::size_t i = 0; i < kElements; ++i) expect[i] -= 0.5f * ((a[i] + b[i]) / 2.0f);
+  }
+  EXPECT_TRUE(same_bits(p0, expect)) << "the re-sent push was not applied exactly once: "
+                                     << fmt::format("{} vs {}", fmt::join(p0, ","),
+                                                    fmt::join(expect, ","));
 }
 
 // One worker whose pull of step 1 waits (nobody pushes step 0) when the
