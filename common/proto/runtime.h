@@ -27,7 +27,9 @@ namespace ember::proto {
 [[nodiscard]] Result<transport::Options> transport_options(const config::Config& config);
 
 // The page pool of [communication] (prealloc_pages, pool_backing), named
-// `name` in logs. Errors: those of memory::PagePool::create.
+// `name` in logs; pool_backing = "auto" with zero_copy = "sendfile" skips
+// hugetlb (a hugetlb memfd cannot feed sendfile) and logs why. Errors:
+// those of memory::PagePool::create.
 [[nodiscard]] Result<std::unique_ptr<memory::PagePool>> make_pool(const config::Config& config,
                                                                    const std::string& name);
 
