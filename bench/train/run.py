@@ -102,7 +102,7 @@ class Bench:
         port = free_ports(1)[0]
         config = os.path.join(run_dir, "ember.toml")
         with open(config, "w") as f:
-            subprocess.run([self.server, "--config", os.path.join(ROOT, "config", "ember.toml"),
+            subprocess.run([self.server, "--config", self.args.config,
                             "--print-config",
                             "--set", f"cluster.servers=127.0.0.1:{port}",
                             "--set", f"cluster.num_workers={workers}",
@@ -155,6 +155,8 @@ class Bench:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build", "release"))
+    ap.add_argument("--config", default=os.path.join(ROOT, "config", "ember.toml"),
+                    help="base config the run configs are derived from")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=128)

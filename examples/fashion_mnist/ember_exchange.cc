@@ -147,7 +147,8 @@ Status EmberExchange::await_parameters(std::uint64_t step, std::span<const Param
     if (!pending_[i]) continue;
     std::optional<InFlight> op = std::move(pending_[i]);
     pending_[i].reset();
-    EMBER_TRY(finish(*op, fmt::format("push_pull for step {}", step > 0 ? step - 1 : 0)));
+    Status st = finish(*op, "push_pull");
+    if (!st) return with_context(st.error(), fmt::format("step {}", step > 0 ? step - 1 : 0));
   }
   return ok_status();
 }

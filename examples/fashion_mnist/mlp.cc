@@ -215,8 +215,6 @@ Result<ForwardStats> Mlp::forward(std::size_t batch_size, std::span<const std::u
   for (std::size_t l = 0; l < layers; ++l) {
     const LayerTensors& lt = layers_[l];
     const Parameter& b_param = params_[lt.first_tensor + lt.num_blocks];
-    if (before_read) EMBER_TRY(before_read(std::span<const Parameter>(&b_param, 1)));
-    ConstVectorMap b(b_param.value.data(), static_cast<Eigen::Index>(b_param.rows));
     auto in = l == 0 ? input_.leftCols(batch) : activations_[l - 1].leftCols(batch);
     auto out = activations_[l].leftCols(batch);
     // Row block by row block (the same arithmetic with or without a hook).
@@ -229,6 +227,10 @@ Result<ForwardStats> Mlp::forward(std::size_t batch_size, std::span<const std::u
                                  static_cast<Eigen::Index>(w_param.rows));
       rows.noalias() = w * in;
     }
+    // The bias last: backward sends it first, so it has had the longest time
+    // to come back, and the W blocks' products run while it does.
+    if (before_read) EMBER_TRY(before_read(std::span<const Parameter>(&b_param, 1)));
+    ConstVectorMap b(b_param.value.data(), static_cast<Eigen::Index>(b_param.rows));
     out.colwise() += b;
     if (l + 1 < layers) out = out.cwiseMax(0.0f);
   }

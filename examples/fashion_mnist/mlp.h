@@ -45,8 +45,8 @@
 // tensor's values nor writes its gradient, so the callback may send the
 // gradient and let new parameter values land in place (a pull) while
 // backward goes on. Forward with a before_read hook calls it for each tensor
-// right before its first read (layer by layer: b_l, then W_l's blocks in row
-// order), so a caller can wait there for exactly that tensor's new values.
+// right before its first read (layer by layer: W_l's blocks in row order,
+// then b_l), so a caller can wait there for exactly that tensor's new values.
 //
 // He initialisation: W ~ N(0, 2 / fan_in) (He, Zhang, Ren, Sun, "Delving Deep
 // into Rectifiers", ICCV 2015), b = 0, drawn from SplitMix64 streams derived

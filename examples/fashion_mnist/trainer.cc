@@ -120,11 +120,14 @@ Result<EpochStats> Trainer::run_epoch() {
   sampler_.epoch_indices(epoch, indices_, permutation_);
 
   double exchange_seconds = 0.0;
+  double send_seconds = 0.0;
   std::uint64_t current_step = 0;
   const TensorsFn on_ready = [&](std::span<const Parameter> tensors) -> Status {
     const Clock::time_point t0 = Clock::now();
     Status s = exchange_->gradients_ready(current_step, tensors);
-    exchange_seconds += seconds_between(t0, Clock::now());
+    const double dt = seconds_between(t0, Clock::now());
+    exchange_seconds += dt;
+    send_seconds += dt;
     return s;
   };
   const TensorsFn before_read = [&](std::span<const Parameter> tensors) -> Status {
@@ -181,6 +184,7 @@ Result<EpochStats> Trainer::run_epoch() {
   }
   stats.train_seconds = seconds_between(epoch_begin, Clock::now());
   stats.exchange_seconds = exchange_seconds;
+  stats.send_seconds = send_seconds;
   stats.steps = steps;
   stats.samples = steps * batch;
   stats.train_loss = steps > 0 ? loss_sum / static_cast<double>(steps) : 0.0;

@@ -145,6 +145,7 @@ struct EpochStats {
   double train_accuracy = 0.0;    // fraction of this epoch's batches classified right
   double train_seconds = 0.0;     // wall time of the steps and finish_epoch (no evaluation)
   double exchange_seconds = 0.0;  // of which inside exchange calls (blocked)
+  double send_seconds = 0.0;      // of which inside gradients_ready (handing off gradients)
   EvalStats test;                 // after the epoch, on the test set
 
   double samples_per_second() const { return train_seconds > 0 ? samples / train_seconds : 0.0; }

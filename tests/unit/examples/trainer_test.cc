@@ -192,9 +192,9 @@ TEST(Trainer, AwaitsEachTensorInForwardOrderBeforeReadingIt) {
   ASSERT_TRUE(trainer->run());
   const std::vector<std::string> want = {
       "start",
-      "await 0 b1", "await 0 W1", "await 0 b2", "await 0 W2",
+      "await 0 W1", "await 0 b1", "await 0 W2", "await 0 b2",
       "ready 0 b2", "ready 0 W2", "ready 0 b1", "ready 0 W1", "finish 0",
-      "await 1 b1", "await 1 W1", "await 1 b2", "await 1 W2",
+      "await 1 W1", "await 1 b1", "await 1 W2", "await 1 b2",
       "ready 1 b2", "ready 1 W2", "ready 1 b1", "ready 1 W1", "finish 1", "sync", "epoch 1"};
   EXPECT_EQ(ex.calls, want);
 }
@@ -215,6 +215,9 @@ TEST(Trainer, MeasuresTimeBlockedInTheExchange) {
   // The exchange spun 2 ms per step on the training thread: at least 10 ms
   // blocked, never more than the step time.
   EXPECT_GE(e.exchange_seconds, 0.010);
+  // The spin was in finish_step, not in gradients_ready (the send part).
+  EXPECT_GE(e.send_seconds, 0.0);
+  EXPECT_GE(e.exchange_seconds - e.send_seconds, 0.010);
   EXPECT_LE(e.exchange_seconds, e.train_seconds);
   EXPECT_DOUBLE_EQ(e.communication_share(), e.exchange_seconds / e.train_seconds);
   EXPECT_GT(e.samples_per_second(), 0.0);
