@@ -8,7 +8,9 @@
 //   RESULT epochs=3 batch_size=128 optimizer=sgd lr=0.05 ... test_accuracy=0.8731 ...
 // Exit status: 0 on success, 1 on a training or data error, CLI11's codes on
 // bad options.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <vector>
@@ -45,6 +47,7 @@ struct Options {
   std::size_t eval_batch_size = 1000;
   std::size_t block_rows = fm::kDefaultBlockRows;
   std::string log_level = "info";
+  std::string save_params;
 };
 
 constexpr double kDefaultSgdLr = 0.05;
@@ -136,6 +139,18 @@ int train(Options o) {
     log->error("{}", epochs.error());
     return 1;
   }
+  if (!o.save_params.empty()) {
+    // Raw float32, key order, packed: the layout fmnist-worker --save-params writes.
+    std::FILE* f = std::fopen(o.save_params.c_str(), "wb");
+    const bool written = f != nullptr &&
+                         std::fwrite(values.data(), sizeof(float), values.size(), f) == values.size();
+    if (f != nullptr && std::fclose(f) != 0) f = nullptr;
+    if (!written || f == nullptr) {
+      log->error("cannot write the parameters to '{}' (--save-params): {}", o.save_params,
+                 std::strerror(errno));
+      return 1;
+    }
+  }
   const fm::EpochStats& last = epochs->back();
   fmt::print("RESULT epochs={} batch_size={} optimizer={} lr={} momentum={} nesterov={} seed={} "
              "train_loss={:.4f} test_loss={:.4f} test_accuracy={:.4f} samples_per_s={:.0f} "
@@ -188,6 +203,9 @@ int main(int argc, char** argv) {
     app.add_option("--eval-batch-size", o.eval_batch_size, "Samples per forward when evaluating")
         ->capture_default_str()
         ->check(CLI::Range(std::size_t{1}, std::size_t{10000}));
+    app.add_option("--save-params", o.save_params,
+                   "After training, write the parameters to this file (raw float32, key order, "
+                   "as fmnist-worker --save-params)");
     app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error, critical, off")
         ->capture_default_str();
     CLI11_PARSE(app, argc, argv);

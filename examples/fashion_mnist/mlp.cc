@@ -290,8 +290,13 @@ Status Mlp::backward(const TensorsFn& on_ready) {
       prev_delta.array() *= (activations_[l - 1].leftCols(batch).array() > 0.0f).cast<float>();
     }
     const Parameter& b_param = params_[lt.first_tensor + lt.num_blocks];
+    // Summed column by column (each element in sample order), not with
+    // delta.rowwise().sum(): Eigen vectorises that differently depending on
+    // the destination's alignment, so a pool buffer (a worker) and a heap
+    // buffer (the baseline) got different roundings in a few elements.
     VectorMap grad_b(b_param.grad.data(), rows);
-    grad_b.noalias() = delta.rowwise().sum();
+    grad_b = delta.col(0);
+    for (Eigen::Index j = 1; j < batch; ++j) grad_b += delta.col(j);
     EMBER_TRY(on_ready(std::span<const Parameter>(&b_param, 1)));
     // Each row block's gradient is reported as soon as it is computed, so
     // its exchange overlaps with the next blocks and the layers below.
