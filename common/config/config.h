@@ -140,7 +140,7 @@ struct CommunicationConfig {
   // worker waiting on a Handle keep polling (with sched_yield()) this long
   // before they sleep; 0 = sleep at once. 0 .. 10 ms. See
   // docs/troubleshooting.md#throughput-drops for the trade-off.
-  std::chrono::nanoseconds busy_poll{std::chrono::microseconds(50)};
+  std::chrono::nanoseconds busy_poll{std::chrono::milliseconds(1)};
   // ring_buffer_size: slots per channel ring; a power of two, 2 .. 2^24.
   std::uint32_t ring_buffer_slots = 1024;
   // prealloc_pages: 2 MiB pages reserved for the page pool up front; >= 1.

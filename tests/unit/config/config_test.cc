@@ -259,7 +259,7 @@ TEST(ConfigParse, SizesAcceptUnitsAndIntegers) {
 }
 
 TEST(ConfigParse, DurationsAcceptUnits) {
-  EXPECT_EQ(parse_ok("").communication.busy_poll, 50us);
+  EXPECT_EQ(parse_ok("").communication.busy_poll, 1ms);
   EXPECT_EQ(parse_ok("[communication]\nbusy_poll = \"0us\"\n").communication.busy_poll, 0ns);
   EXPECT_EQ(parse_ok("[communication]\nbusy_poll = \"200us\"\n").communication.busy_poll, 200us);
   EXPECT_EQ(parse_ok("[communication]\nflush_interval = \"0us\"\n").communication.flush_interval,
