@@ -300,9 +300,12 @@ HostPort effective_listen(const Config& config);
 // Loading, validating, printing.
 
 // Reads and parses a TOML file. Errors (kConfig): the file is missing or
-// unreadable (naming the path and the errno text), a TOML syntax error (with
-// file:line and toml11's explanation), and everything parse_config reports.
+// unreadable (naming the path and the errno text), a directory, larger than
+// kMaxConfigFileBytes (also what a device such as /dev/urandom or an endless
+// FIFO gives: reading stops there), a TOML syntax error (with file:line and
+// toml11's explanation), and everything parse_config reports.
 // Blocks on file I/O.
+inline constexpr std::size_t kMaxConfigFileBytes = std::size_t{16} << 20;
 [[nodiscard]] Result<Config> load_config_file(const std::filesystem::path& path);
 
 // Parses TOML text; source_name is used in messages ("<name>:<line>: ...").

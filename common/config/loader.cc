@@ -5,6 +5,7 @@
 // (toml11 3.7 recurses once per nesting level and per dotted-key part and
 // overflows the stack on deep input) and turns every exception into an Error.
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -563,9 +564,25 @@ Result<Config> load_config_file(const std::filesystem::path& path) {
                                     path.string(), std::strerror(err)),
                         err);
   }
+  // Bounded: a config file is a few KB, and a path such as /dev/urandom or
+  // a FIFO that never ends must be an error, not a process that reads
+  // until memory runs out.
   std::string text;
   try {
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    std::array<char, 64 * 1024> chunk;
+    while (in) {
+      in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+      const auto n = static_cast<std::size_t>(in.gcount());
+      if (n == 0) break;
+      if (text.size() + n > kMaxConfigFileBytes) {
+        return config_error(
+            fmt::format("{}: more than {} MiB, which no config file is (they are a few KB); "
+                        "check that --config names the .toml file",
+                        path.string(), kMaxConfigFileBytes >> 20),
+            EFBIG);
+      }
+      text.append(chunk.data(), n);
+    }
   } catch (const std::exception& e) {
     return config_error(fmt::format("{}: cannot read the config file: {}", path.string(), e.what()));
   }

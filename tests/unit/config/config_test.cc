@@ -600,7 +600,13 @@ TEST(ConfigFile, MissingFileNamesThePath) {
               HasSubstr("/nonexistent/dir/ember.toml: the config file does not exist"));
 }
 
-TEST(ConfigFile, DirectoryIsRefused) {
+TEST(ConfigFile, DirectoryAndEndlessDevicesAreRefused) {
+  // A device that never ends (or a huge file) stops at the bound with an error.
+  if (std::filesystem::exists("/dev/zero")) {
+    auto endless = load_config_file("/dev/zero");
+    ASSERT_FALSE(endless);
+    EXPECT_THAT(endless.error().message(), HasSubstr("/dev/zero: more than 16 MiB"));
+  }
   auto r = load_config_file(std::filesystem::temp_directory_path());
   ASSERT_FALSE(r);
   EXPECT_THAT(r.error().message(), HasSubstr("is a directory"));
