@@ -31,7 +31,10 @@ bool iequals(std::string_view a, std::string_view b) {
   return true;
 }
 
-Result<Number> parse_number(std::string_view original, std::string_view what) {
+// `examples` completes the error message ("e.g. ..."), so a duration error
+// shows durations and a size error shows sizes.
+Result<Number> parse_number(std::string_view original, std::string_view what,
+                            std::string_view examples) {
   std::string_view s = trim(original);
   Number n;
   std::size_t i = 0;
@@ -58,8 +61,8 @@ Result<Number> parse_number(std::string_view original, std::string_view what) {
   }
   if (!any_digit) {
     return make_error(ErrorCode::kInvalidArgument,
-                      "{} '{}' must start with a non-negative number (e.g. '4KB', '50us')", what,
-                      original);
+                      "{} '{}' must start with a non-negative number (e.g. {})", what, original,
+                      examples);
   }
   n.rest = trim(s.substr(i));
   return n;
@@ -92,7 +95,7 @@ Result<std::uint64_t> scale(const Number& n, std::uint64_t multiplier, std::stri
 }  // namespace
 
 Result<std::uint64_t> parse_size_bytes(std::string_view text) {
-  EMBER_ASSIGN_OR_RETURN(const Number n, parse_number(text, "size"));
+  EMBER_ASSIGN_OR_RETURN(const Number n, parse_number(text, "size", "'4KB', '1.5MiB'"));
   struct Unit {
     std::string_view names[3];
     std::uint64_t multiplier;
@@ -116,7 +119,7 @@ Result<std::uint64_t> parse_size_bytes(std::string_view text) {
 }
 
 Result<std::chrono::nanoseconds> parse_duration(std::string_view text) {
-  EMBER_ASSIGN_OR_RETURN(const Number n, parse_number(text, "duration"));
+  EMBER_ASSIGN_OR_RETURN(const Number n, parse_number(text, "duration", "'50us', '1s'"));
   struct Unit {
     std::string_view name;
     std::uint64_t ns;

@@ -54,6 +54,31 @@ TEST(ParseDuration, RequiresUnit) {
   EXPECT_FALSE(parse_duration("0.5ns"));
 }
 
+// A bad number gives examples of its own kind only: durations for a
+// duration, sizes for a size.
+TEST(ParseDuration, NotANumberSuggestsDurationsOnly) {
+  for (const char* bad : {"", "us", "-5ms", "fast"}) {
+    auto r = parse_duration(bad);
+    ASSERT_FALSE(r) << bad;
+    EXPECT_EQ(r.error().code(), ErrorCode::kInvalidArgument) << bad;
+    const std::string& msg = r.error().message();
+    EXPECT_NE(msg.find("must start with a non-negative number (e.g. '50us', '1s')"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find("KB"), std::string::npos) << msg;
+  }
+}
+
+TEST(ParseSize, NotANumberSuggestsSizesOnly) {
+  auto r = parse_size_bytes("KB");
+  ASSERT_FALSE(r);
+  const std::string& msg = r.error().message();
+  EXPECT_NE(msg.find("must start with a non-negative number (e.g. '4KB', '1.5MiB')"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find("us'"), std::string::npos) << msg;
+}
+
 TEST(FormatBytes, HumanUnits) {
   EXPECT_EQ(format_bytes(12), "12 B");
   EXPECT_EQ(format_bytes(4096), "4 KiB");
