@@ -1153,6 +1153,18 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
     s = ks->next_step.load(std::memory_order_acquire);
   }
   auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()));
+  if (sends && !step) {
+    // A failed push gives its step back (when no later one was issued), so
+    // the caller's retry pushes the same step: the server applies a step
+    // once per (worker, key, step), so a retry of a push it did apply is
+    // dropped, and one it never saw is applied. Without this, a push that
+    // never reached the server left a hole the BSP round waits on forever.
+    op->before_done = [ks, s](const Result<std::uint64_t>& r) {
+      if (r) return;
+      std::uint64_t expected = s + 1;
+      ks->next_step.compare_exchange_strong(expected, s, std::memory_order_acq_rel);
+    };
+  }
   const auto grad_bytes = std::as_bytes(gradient);
   const auto out_bytes = std::as_writable_bytes(out);
   for (const placement::Chunk& ch : ks->chunks) {

@@ -25,7 +25,9 @@
 // to the step the servers report (0 for a fresh job), so a restarted worker
 // resumes where the job is. Overloads with an explicit step exist for callers
 // that manage steps themselves (and for re-sending: a push re-sent with the
-// same step is applied once).
+// same step is applied once). A push that fails gives its step back when no
+// later push of that key was issued, so retrying the call pushes the same
+// step again (applied once, whether or not the server saw the first try).
 //
 // Tensors larger than [server] partition_bytes travel as chunks, each to the
 // server and channel common/placement assigns; a Handle completes when every

@@ -149,6 +149,41 @@ TEST(WorkerClient, ReconnectsAfterTheServerRestarts) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(WorkerClient, AFailedPushGivesItsStepBackSoTheRetryCompletesTheRound) {
+  config::Config c = base_config(1);
+  ASSERT_TRUE(config::set_value(c, "worker.resend_attempts", "0"));
+  ASSERT_TRUE(config::set_value(c, "worker.connect_retries", "0"));
+  auto dir = std::filesystem::temp_directory_path() / fmt::format("ember-wt-step-{}", ::getpid());
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(config::set_value(c, "server.checkpoint_dir", dir.string()));
+  auto s = std::make_unique<LocalServer>(c);
+  ASSERT_TRUE(s->server);
+  auto w = s->worker(0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+  std::vector<float> out(4);
+  ASSERT_TRUE(w->push_pull(1, std::vector<float>{1, 1, 1, 1}, out).wait());
+  EXPECT_EQ(w->step(1), 1u);
+  const std::string address = s->server->address();
+  config::Config same = s->config;
+  ASSERT_TRUE(s->server->shutdown());
+  s.reset();
+  // The server is gone: the push fails and step 1 stays the next step.
+  auto failed = w->push(1, std::vector<float>{1, 1, 1, 1}).wait();
+  ASSERT_FALSE(failed);
+  EXPECT_EQ(w->step(1), 1u) << "a push that failed kept its step: " << failed.error().to_string();
+  LocalServer again(same, address);
+  ASSERT_TRUE(again.server);
+  // The retry is step 1, which closes the server's round 1 (without the
+  // give-back it would be step 2 and wait for step 1 forever).
+  auto r = w->push_pull(1, std::vector<float>{1, 1, 1, 1}, out).wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_EQ(*r, 2u);
+  EXPECT_EQ(w->step(1), 2u);
+  EXPECT_EQ(out, (std::vector<float>{-1, 0, 1, 2}));  // sgd lr 1: two steps of -1
+  std::filesystem::remove_all(dir);
+}
+
 TEST(WorkerClient, SetLearningRateAppliesToLaterSteps) {
   LocalServer s(base_config(1));
   auto w = s.worker(0);
