@@ -372,33 +372,68 @@ Result<std::vector<std::pair<std::uint64_t, std::filesystem::path>>> list_checkp
   return out;
 }
 
+namespace {
+
+// Reads the whole file; "" and the image, or the reason it could not be read.
+std::string read_whole_file(const std::filesystem::path& path, std::vector<std::byte>& image) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Error(ErrorCode::kIo, "open failed", errno).to_string();
+  std::string reason;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    reason = Error(ErrorCode::kIo, "fstat failed", errno).to_string();
+  } else {
+    image.resize(static_cast<std::size_t>(st.st_size));
+    std::size_t got = 0;
+    while (got < image.size()) {
+      const ssize_t n = ::read(fd, image.data() + got, image.size() - got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        reason = Error(ErrorCode::kIo, fmt::format("read failed at byte {}", got), errno).to_string();
+        break;
+      }
+      if (n == 0) break;  // shrank since fstat: parsed as truncated
+      got += static_cast<std::size_t>(n);
+    }
+    image.resize(got);
+  }
+  ::close(fd);
+  return reason;
+}
+
+// Renames `path` to "<path>.corrupt" or, when taken, "<path>.corrupt.<n>".
+Result<std::filesystem::path> move_aside(const std::filesystem::path& path) {
+  std::error_code ec;
+  for (int n = 0; n < 1000; ++n) {
+    std::filesystem::path to = path;
+    to += n == 0 ? std::string(".corrupt") : fmt::format(".corrupt.{}", n);
+    if (std::filesystem::exists(to, ec) || ec) continue;
+    if (::rename(path.c_str(), to.c_str()) != 0) {
+      return make_sys_error(errno,
+                            "checkpoint: cannot move refused checkpoint '{}' aside to '{}' (move or "
+                            "delete it by hand; left in place it would count toward "
+                            "[server] checkpoint_keep)",
+                            path.string(), to.string());
+    }
+    return to;
+  }
+  return make_error(ErrorCode::kIo,
+                    "checkpoint: cannot move refused checkpoint '{}' aside: '{}.corrupt' to "
+                    "'{}.corrupt.999' all exist; delete old ones",
+                    path.string(), path.string(), path.string());
+}
+
+}  // namespace
+
 Result<LoadResult> load_newest_checkpoint(const std::filesystem::path& dir,
-                                          std::uint32_t server_index) {
+                                          std::uint32_t server_index, RefusedFiles refused_files) {
   EMBER_ASSIGN_OR_RETURN(auto files, list_checkpoints(dir, server_index));
   LoadResult result;
   if (!files.empty()) result.next_sequence = files.front().first + 1;
   auto log = log::logger("checkpoint");
   for (const auto& [seq, path] : files) {
     std::vector<std::byte> image;
-    std::string reason;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      reason = Error(ErrorCode::kIo, "open failed", errno).to_string();
-    } else {
-      struct stat st {};
-      if (::fstat(fd, &st) == 0) {
-        image.resize(static_cast<std::size_t>(st.st_size));
-        std::size_t got = 0;
-        while (got < image.size()) {
-          const ssize_t n = ::read(fd, image.data() + got, image.size() - got);
-          if (n < 0 && errno == EINTR) continue;
-          if (n <= 0) break;
-          got += static_cast<std::size_t>(n);
-        }
-        image.resize(got);
-      }
-      ::close(fd);
-    }
+    std::string reason = read_whole_file(path, image);
     if (reason.empty()) {
       auto parsed = parse_checkpoint(image);
       if (parsed && parsed->server_index != server_index) {
@@ -407,15 +442,54 @@ Result<LoadResult> load_newest_checkpoint(const std::filesystem::path& dir,
       } else if (parsed) {
         result.data = std::move(*parsed);
         result.path = path;
-        return result;
+        break;
       } else {
         reason = parsed.error().message();
       }
     }
-    log->error("refusing checkpoint '{}': {}; trying an older one", path.string(), reason);
     result.refused.push_back(fmt::format("{}: {}", path.string(), reason));
+    if (refused_files == RefusedFiles::kLeave) {
+      log->error("refusing checkpoint '{}': {}; trying an older one", path.string(), reason);
+      continue;
+    }
+    auto moved = move_aside(path);
+    if (!moved) {
+      log->error("refusing checkpoint '{}': {}", path.string(), reason);
+      Error err = moved.error();
+      err.with_context(fmt::format("refused checkpoint '{}' ({})", path.string(), reason));
+      return tl::unexpected(err);
+    }
+    log->error("refusing checkpoint '{}': {}; moved it to '{}', trying an older one",
+               path.string(), reason, moved->string());
+    result.moved_aside.push_back(std::move(*moved));
   }
+  if (!result.moved_aside.empty()) EMBER_TRY(fsync_dir(dir));
   return result;
+}
+
+Status prepare_checkpoint_dir(const std::filesystem::path& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return make_sys_error(ec.value(), "checkpoint directory '{}': cannot create directory",
+                          dir.string());
+  }
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return make_sys_error(ec ? ec.value() : ENOTDIR, "checkpoint directory '{}': is not a directory",
+                          dir.string());
+  }
+  const std::filesystem::path probe = dir / fmt::format(".ember-write-probe-{}", ::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return make_sys_error(errno, "checkpoint directory '{}': cannot create a file in it",
+                          dir.string());
+  }
+  ::close(fd);
+  if (::unlink(probe.c_str()) != 0) {
+    return make_sys_error(errno, "checkpoint directory '{}': cannot remove probe file '{}'",
+                          dir.string(), probe.string());
+  }
+  return ok_status();
 }
 
 }  // namespace ember::server

@@ -5,7 +5,9 @@
 // fsync()ed, renamed over the final name, and the directory is fsync()ed, so
 // a crash leaves either the previous set of checkpoints or the new one, never
 // a half-written file under a final name. After a successful write the files
-// beyond the newest `keep` of this server are deleted.
+// beyond the newest `keep` of this server are deleted; only well-named
+// checkpoint files count, and restore renames the files it refuses aside
+// ("<name>.corrupt"), so corrupt files never displace valid ones.
 //
 // Layout (little-endian; docs/checkpoint-format.md has the table):
 //   file header   64 bytes: magic "EMBRCKPT", format version, server index,
@@ -84,13 +86,39 @@ struct LoadResult {
   std::filesystem::path path;          // its file
   std::uint64_t next_sequence = 1;     // one past the highest sequence seen (valid or not)
   std::vector<std::string> refused;    // "<path>: <reason>" for each file refused
+  // Where each refused file now lies (kMoveAside only), in the order refused.
+  std::vector<std::filesystem::path> moved_aside;
+};
+
+// What load_newest_checkpoint does with a file it refuses.
+enum class RefusedFiles {
+  // Rename it to "<name>.corrupt" (or "<name>.corrupt.<n>" when that exists)
+  // in the same directory, keeping it as evidence: it no longer has a
+  // checkpoint name, so pruning after the next write counts (and deletes)
+  // only valid checkpoints, and the restored one stays the newest file.
+  kMoveAside,
+  // Leave it in place (read-only inspection).
+  kLeave,
 };
 
 // Tries this server's checkpoints newest first and returns the first that
-// parses; each refused file is logged at error level once ("refusing
-// checkpoint <path>: <reason>; trying an older one"). Errors: kIo when the
-// directory cannot be listed.
-[[nodiscard]] Result<LoadResult> load_newest_checkpoint(const std::filesystem::path& dir,
-                                                        std::uint32_t server_index);
+// parses; each refused file (unreadable, corrupt, truncated, or written by
+// another server) is logged at error level once ("refusing checkpoint
+// <path>: <reason>; moved it to '<path>.corrupt', trying an older one" under
+// kMoveAside, "refusing checkpoint <path>: <reason>; trying an older one"
+// under kLeave). Errors: kIo when the directory cannot be listed, or when a
+// refused file cannot be moved aside (naming it: it would otherwise count
+// toward the files pruning keeps and cost a valid checkpoint).
+[[nodiscard]] Result<LoadResult> load_newest_checkpoint(
+    const std::filesystem::path& dir, std::uint32_t server_index,
+    RefusedFiles refused_files = RefusedFiles::kMoveAside);
+
+// Creates `dir` (and its parents) when missing and proves that files can be
+// created in it: creates and removes an empty ".ember-write-probe-<pid>"
+// file (no fsync). Blocks on file I/O; meant for start-up, before the first
+// checkpoint is due. Errors: kIo naming `dir`, the failed step ("cannot
+// create directory", "is not a directory", "cannot create a file in it",
+// "cannot remove probe file") and the errno.
+[[nodiscard]] Status prepare_checkpoint_dir(const std::filesystem::path& dir);
 
 }  // namespace ember::server

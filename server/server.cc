@@ -274,6 +274,16 @@ void Server::Impl::make_metrics() {
 Status Server::Impl::restore_checkpoint() {
   const auto& sc = config.server;
   if (sc.checkpoint_dir.empty()) return ok_status();
+  // Fail now, not at the first checkpoint (or at SIGTERM after the whole job).
+  if (Status st = prepare_checkpoint_dir(sc.checkpoint_dir); !st) {
+    Error err = st.error();
+    err.with_context(
+        "[server] checkpoint_dir is not usable (point it at a writable directory, or set it to "
+        "\"\" to turn checkpoints off)");
+    return tl::unexpected(err);
+  }
+  // Refused files are renamed aside, so pruning after the next write keeps
+  // the newest checkpoint_keep valid ones (the restored one among them).
   EMBER_ASSIGN_OR_RETURN(LoadResult loaded, load_newest_checkpoint(sc.checkpoint_dir, sc.server_index));
   next_sequence = loaded.next_sequence;
   if (!loaded.data) {

@@ -149,6 +149,121 @@ TEST(ServerRecovery, SigtermWritesFinalCheckpointAndATruncatedOneIsRefused) {
   EXPECT_FALSE(same_bits(got, p3));
 }
 
+std::vector<char> file_bytes(const std::filesystem::path& path) {
+  const std::string text = read_file(path);
+  return std::vector<char>(text.begin(), text.end());
+}
+
+void put_bytes(const std::filesystem::path& path, const std::vector<char>& bytes) {
+  write_file(path, std::string(bytes.begin(), bytes.end()));
+}
+
+// The reviewer's repro: valid 1 and 2, then 3 truncated, 4 with one bit
+// flipped, 5 random bytes, 6 empty. Restore falls back to 2; the final
+// checkpoint 7 under checkpoint_keep = 3 must leave 7, 2, 1 (not 5, 6, 7),
+// the refused files kept aside as "<name>.corrupt".
+TEST(ServerRecovery, CorruptCheckpointsAreMovedAsideAndNeverDisplaceValidOnes) {
+  TempDir dir;
+  ClusterSpec spec = adam_spec(dir);
+  spec.extra_server = "checkpoint_keep = 3";
+  const auto ckpt = dir / "ckpt";
+  std::vector<float> p2(64);
+  {
+    ServerProcess a(dir, spec, 0);
+    ASSERT_TRUE(a.ok());
+    auto w = connect_worker(spec, a.address(), 0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+    ASSERT_TRUE(w->push_pull(5, gradient(0), p2).wait());
+    auto one = w->checkpoint().wait();
+    ASSERT_TRUE(one);
+    EXPECT_EQ(*one, 1u);
+    ASSERT_TRUE(w->push_pull(5, gradient(1), p2).wait());
+    auto two = w->checkpoint().wait();
+    ASSERT_TRUE(two);
+    EXPECT_EQ(*two, 2u);
+    w.reset();
+    a.process().signal(SIGKILL);  // no final checkpoint
+    ASSERT_TRUE(a.process().wait_exit());
+  }
+  auto name = [&](std::uint64_t seq) { return ckpt / server::checkpoint_file_name(0, seq); };
+  const std::vector<char> image = file_bytes(name(2));
+  ASSERT_GT(image.size(), 200u);
+  put_bytes(name(3), std::vector<char>(image.begin(), image.begin() + image.size() / 2));
+  std::vector<char> flipped = image;
+  flipped[image.size() - 40] ^= 0x04;  // inside the last record's parameters
+  put_bytes(name(4), flipped);
+  std::vector<char> noise(image.size());
+  std::uint32_t x = 12345;
+  for (auto& c : noise) {
+    x = x * 1664525u + 1013904223u;
+    c = static_cast<char>(x >> 24);
+  }
+  put_bytes(name(5), noise);
+  put_bytes(name(6), {});
+
+  ServerProcess b(dir, spec, 0);
+  ASSERT_TRUE(b.ok());
+  {
+    auto w = connect_worker(spec, b.address(), 0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+    std::vector<float> got(64);
+    ASSERT_TRUE(w->pull(5, got).wait());
+    EXPECT_TRUE(same_bits(got, p2));
+  }
+  b.process().signal(SIGTERM);
+  auto status = b.process().wait_exit();
+  ASSERT_TRUE(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << b.log();
+  const std::string log = b.log();
+  EXPECT_NE(log.find("restored checkpoint '" + name(2).string() + "'"), std::string::npos) << log;
+  EXPECT_NE(log.find("checkpoint 7 written"), std::string::npos) << log;
+  for (std::uint64_t seq = 3; seq <= 6; ++seq) {
+    const std::string aside = name(seq).string() + ".corrupt";
+    EXPECT_NE(log.find("refusing checkpoint '" + name(seq).string() + "': "), std::string::npos)
+        << log;
+    EXPECT_NE(log.find("moved it to '" + aside + "'"), std::string::npos) << log;
+    EXPECT_TRUE(std::filesystem::exists(aside)) << aside;
+  }
+  EXPECT_EQ(file_bytes(name(4).string() + ".corrupt"), flipped);
+  auto files = server::list_checkpoints(ckpt, 0);
+  ASSERT_TRUE(files);
+  std::vector<std::uint64_t> kept;
+  for (const auto& f : *files) kept.push_back(f.first);
+  EXPECT_EQ(kept, (std::vector<std::uint64_t>{7, 2, 1}));
+}
+
+// An unusable checkpoint_dir is refused at start, naming the path, the errno
+// text and the knob, not found out at SIGTERM after the whole job.
+TEST(ServerRecovery, UnwritableCheckpointDirIsRefusedAtStart) {
+  TempDir dir;
+  write_file(dir / "file", "");
+  struct Case {
+    std::string path, errno_text;
+  };
+  const std::vector<Case> cases{{"/proc/ember-nope/ckpt", "No such file or directory"},
+                                {(dir / "file" / "ckpt").string(), "Not a directory"}};
+  for (const auto& c : cases) {
+    ClusterSpec spec;
+    spec.checkpoint_dir = c.path;
+    const auto config = dir / "server.toml";
+    write_file(config, cluster_toml(spec, {"127.0.0.1:1"}));
+    const auto log_path = dir / "unwritable.log";
+    std::filesystem::remove(log_path);
+    Process server(server_binary(), {"--config", config.string(), "--listen", "127.0.0.1:0"},
+                   log_path);
+    EXPECT_FALSE(server.wait_line("ember-server ready", 20s)) << c.path;
+    const auto status = server.wait_exit(20s);
+    ASSERT_TRUE(status) << "ember-server kept running with checkpoint_dir " << c.path;
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0);
+    const std::string log = read_file(log_path);
+    EXPECT_NE(log.find("'" + c.path + "'"), std::string::npos) << log;
+    EXPECT_NE(log.find(c.errno_text), std::string::npos) << log;
+    EXPECT_NE(log.find("[server] checkpoint_dir"), std::string::npos) << log;
+  }
+}
+
 // A worker process killed after pushing step `stop` while worker 0 (here)
 // waits for its step stop + 1.
 struct LossScenario {

@@ -2,7 +2,9 @@
 // with a clear reason, atomic write, keep-last-K, newest valid restored.
 #include "server/checkpoint.h"
 
+#include <cstring>
 #include <fstream>
+#include <span>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -131,6 +133,143 @@ TEST(Checkpoint, LoadSkipsTruncatedNewestAndUsesPrevious) {
   EXPECT_EQ(loaded->next_sequence, 3u);
   ASSERT_EQ(loaded->refused.size(), 1u);
   EXPECT_NE(loaded->refused[0].find("truncated"), std::string::npos) << loaded->refused[0];
+  std::filesystem::remove_all(dir);
+}
+
+std::vector<std::byte> read_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(raw.size());
+  if (!raw.empty()) std::memcpy(out.data(), raw.data(), raw.size());
+  return out;
+}
+
+void write_bytes(const std::filesystem::path& path, std::span<const std::byte> bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Valid 1 and 2, then 3 truncated, 4 with one bit flipped, 5 random bytes,
+// 6 empty (the reviewer's repro).
+void write_repro(const std::filesystem::path& dir) {
+  ASSERT_TRUE(write_checkpoint(dir, sample(1), 10));
+  ASSERT_TRUE(write_checkpoint(dir, sample(2), 10));
+  std::vector<std::byte> image = serialize_checkpoint(sample(3));
+  write_bytes(dir / checkpoint_file_name(2, 3), std::span(image).first(image.size() / 2));
+  image = serialize_checkpoint(sample(4));
+  image[image.size() / 2] ^= std::byte{0x10};
+  write_bytes(dir / checkpoint_file_name(2, 4), image);
+  std::mt19937 rng(5);
+  for (auto& b : image) b = static_cast<std::byte>(rng());
+  write_bytes(dir / checkpoint_file_name(2, 5), image);
+  write_bytes(dir / checkpoint_file_name(2, 6), {});
+}
+
+TEST(Checkpoint, RefusedFilesAreMovedAsideAndPruningKeepsValidOnes) {
+  const auto dir = temp_dir("prune-corrupt");
+  write_repro(dir);
+  auto loaded = load_newest_checkpoint(dir, 2);
+  ASSERT_TRUE(loaded) << loaded.error().to_string();
+  ASSERT_TRUE(loaded->data);
+  EXPECT_EQ(loaded->data->sequence, 2u);
+  EXPECT_EQ(loaded->path.filename(), checkpoint_file_name(2, 2));
+  EXPECT_EQ(loaded->next_sequence, 7u);
+  ASSERT_EQ(loaded->refused.size(), 4u);
+  ASSERT_EQ(loaded->moved_aside.size(), 4u);
+  for (std::uint64_t seq = 3; seq <= 6; ++seq) {
+    // Newest first: 6 is refused first.
+    const auto& moved = loaded->moved_aside[6 - seq];
+    EXPECT_EQ(moved.filename().string(), checkpoint_file_name(2, seq) + ".corrupt");
+    EXPECT_TRUE(std::filesystem::exists(moved)) << moved;
+    EXPECT_FALSE(std::filesystem::exists(dir / checkpoint_file_name(2, seq)));
+  }
+  EXPECT_NE(loaded->refused[3].find("truncated"), std::string::npos) << loaded->refused[3];
+  EXPECT_NE(loaded->refused[2].find("checksum mismatch"), std::string::npos) << loaded->refused[2];
+  // The evidence is byte for byte what was refused.
+  EXPECT_TRUE(read_bytes(loaded->moved_aside[3]).size() ==
+              serialize_checkpoint(sample(3)).size() / 2);
+  EXPECT_TRUE(read_bytes(loaded->moved_aside[0]).empty());
+
+  // The final checkpoint 7 with keep 3: the valid 1 and 2 stay.
+  ASSERT_TRUE(write_checkpoint(dir, sample(7), 3));
+  auto files = list_checkpoints(dir, 2);
+  ASSERT_TRUE(files);
+  ASSERT_EQ(files->size(), 3u);
+  EXPECT_EQ((*files)[0].first, 7u);
+  EXPECT_EQ((*files)[1].first, 2u);
+  EXPECT_EQ((*files)[2].first, 1u);
+  for (const auto& moved : loaded->moved_aside) EXPECT_TRUE(std::filesystem::exists(moved)) << moved;
+  // The restored 2 goes only once keep (here 2) newer valid ones exist.
+  ASSERT_TRUE(write_checkpoint(dir, sample(8), 2));
+  files = list_checkpoints(dir, 2);
+  ASSERT_TRUE(files);
+  ASSERT_EQ(files->size(), 2u);
+  EXPECT_EQ((*files)[0].first, 8u);
+  EXPECT_EQ((*files)[1].first, 7u);
+  // A restart now restores 8 and refuses nothing.
+  auto again = load_newest_checkpoint(dir, 2);
+  ASSERT_TRUE(again);
+  ASSERT_TRUE(again->data);
+  EXPECT_EQ(again->data->sequence, 8u);
+  EXPECT_TRUE(again->refused.empty());
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Checkpoint, MovingAsideNeverOverwritesEarlierEvidence) {
+  const auto dir = temp_dir("aside-twice");
+  ASSERT_TRUE(write_checkpoint(dir, sample(1), 10));
+  for (int round = 0; round < 2; ++round) {
+    write_bytes(dir / checkpoint_file_name(2, 2), std::vector<std::byte>(static_cast<std::size_t>(round + 1)));
+    auto loaded = load_newest_checkpoint(dir, 2);
+    ASSERT_TRUE(loaded) << loaded.error().to_string();
+    ASSERT_EQ(loaded->moved_aside.size(), 1u);
+    EXPECT_EQ(loaded->moved_aside[0].filename().string(),
+              checkpoint_file_name(2, 2) + (round == 0 ? ".corrupt" : ".corrupt.1"));
+    EXPECT_EQ(read_bytes(loaded->moved_aside[0]).size(), static_cast<std::size_t>(round + 1));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Checkpoint, LeaveModeKeepsRefusedFilesInPlace) {
+  const auto dir = temp_dir("leave");
+  write_repro(dir);
+  auto loaded = load_newest_checkpoint(dir, 2, RefusedFiles::kLeave);
+  ASSERT_TRUE(loaded);
+  ASSERT_TRUE(loaded->data);
+  EXPECT_EQ(loaded->data->sequence, 2u);
+  EXPECT_EQ(loaded->refused.size(), 4u);
+  EXPECT_TRUE(loaded->moved_aside.empty());
+  EXPECT_EQ(list_checkpoints(dir, 2)->size(), 6u);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Checkpoint, PrepareDirCreatesItAndLeavesNoProbe) {
+  const auto dir = temp_dir("prepare") / "a" / "b";
+  ASSERT_TRUE(prepare_checkpoint_dir(dir));
+  EXPECT_TRUE(std::filesystem::is_directory(dir));
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+  ASSERT_TRUE(prepare_checkpoint_dir(dir));  // existing: fine
+  std::filesystem::remove_all(temp_dir("prepare"));
+}
+
+TEST(Checkpoint, PrepareDirRefusesUncreatableAndFileParents) {
+  // Tests may run as root: permissions do not stop root, /proc and a file
+  // used as a parent do.
+  auto r = prepare_checkpoint_dir("/proc/ember-nope/ckpt");
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kIo);
+  EXPECT_NE(r.error().sys_errno(), 0);
+  EXPECT_NE(r.error().to_string().find("'/proc/ember-nope/ckpt'"), std::string::npos)
+      << r.error().to_string();
+  const auto dir = temp_dir("file-parent");
+  std::filesystem::create_directories(dir);
+  write_bytes(dir / "file", {});
+  r = prepare_checkpoint_dir(dir / "file" / "ckpt");
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().sys_errno(), ENOTDIR) << r.error().to_string();
+  r = prepare_checkpoint_dir(dir / "file");
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().to_string().find("file'"), std::string::npos) << r.error().to_string();
   std::filesystem::remove_all(dir);
 }
 
