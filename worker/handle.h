@@ -33,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -81,6 +82,8 @@ struct Op {
   // wait() polls done_flag this long (with sched_yield()) before it sleeps
   // on `cv` ([communication] busy_poll). Set before the Op is shared.
   std::chrono::nanoseconds busy_poll{0};
+  // What the operation is, for its timeout error (set before it is shared).
+  std::string what;
   // Runs under `mutex` just before the operation is marked done, so waiters
   // see its effects (the worker records a key's resume step here). Must not
   // block or touch this Op.

@@ -349,7 +349,9 @@ struct Worker::Impl {
   void clear_note(const Op* op);
 
   // ---- issue ----
-  std::shared_ptr<Op> new_op(std::uint32_t parts);
+  // `what` names the request in a timeout error ("push_pull of key 3 step
+  // 7 to server 0").
+  std::shared_ptr<Op> new_op(std::uint32_t parts, std::string what = {});
   std::uint64_t new_request_id() { return next_request_id.fetch_add(1, std::memory_order_relaxed); }
   // `resending`: the caller is the re-sender or a join (they never wait for
   // queued re-sends).
@@ -504,7 +506,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
 
 Status Worker::Impl::join(ServerLink& link) {
   proto::JoinReplyBody body{};
-  auto op = new_op(1);
+  auto op = new_op(1, fmt::format("join of server {}", link.index));
   Outgoing o;
   o.server = link.index;
   o.channel = 0;
@@ -532,8 +534,9 @@ Status Worker::Impl::join(ServerLink& link) {
   return ok_status();
 }
 
-std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts) {
+std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts, std::string what) {
   auto op = std::make_shared<Op>(parts);
+  op->what = std::move(what);
   op->busy_poll = config.communication.busy_poll;
   bool earliest = false;
   {
@@ -572,7 +575,8 @@ void Worker::Impl::timer_loop() {
         if (auto it = resend_notes.find(op.get()); it != resend_notes.end()) note = "; " + it->second;
       }
       op->fail(Error(ErrorCode::kTimeout,
-                     fmt::format("no reply within [worker] request_timeout ({}){}",
+                     fmt::format("{}{}no reply within [worker] request_timeout ({}){}", op->what,
+                                 op->what.empty() ? "" : ": ",
                                  std::chrono::duration_cast<std::chrono::milliseconds>(
                                      config.worker.request_timeout),
                                  note)));
@@ -1152,7 +1156,13 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
   } else {
     s = ks->next_step.load(std::memory_order_acquire);
   }
-  auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()));
+  std::vector<std::uint32_t> to;
+  for (const placement::Chunk& ch : ks->chunks) {
+    if (std::find(to.begin(), to.end(), ch.server) == to.end()) to.push_back(ch.server);
+  }
+  auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()),
+                   fmt::format("{} of key {} step {} to server {}", proto::msg_type_name(type), key,
+                               s, fmt::join(to, ", ")));
   if (sends && !step) {
     // A failed push gives its step back (when no later one was issued), so
     // the caller's retry pushes the same step: the server applies a step
@@ -1200,7 +1210,8 @@ Handle Worker::Impl::broadcast(proto::MsgType type, std::span<const std::byte> p
                                proto::DType dtype, std::uint64_t num_elements, bool server0_only,
                                std::uint64_t step) {
   const std::uint32_t n = server0_only ? 1 : static_cast<std::uint32_t>(servers.size());
-  auto op = new_op(n);
+  auto op = new_op(n, fmt::format("{} to {}", proto::msg_type_name(type),
+                                  server0_only ? "server 0" : "every server"));
   std::shared_ptr<const std::vector<std::byte>> owned;
   if (!payload.empty()) owned = std::make_shared<const std::vector<std::byte>>(payload.begin(), payload.end());
   for (std::uint32_t s = 0; s < n; ++s) {

@@ -109,6 +109,10 @@ TEST(WorkerClient, RequestTimeoutEndsAWaitThatCannotComplete) {
   auto r = w0->pull(1, out).wait();  // rank 1 never pushes step 0
   ASSERT_FALSE(r);
   EXPECT_EQ(r.error().code(), ErrorCode::kTimeout);
+  EXPECT_NE(r.error().message().find("pull of key 1 step 1 to server 0: no reply within [worker] "
+                                     "request_timeout"),
+            std::string::npos)
+      << r.error().to_string();
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 250ms);
   // The late reply (once rank 1 pushes) is dropped: `out` is not touched.
   ASSERT_TRUE(w1->push(1, kInit).wait());
