@@ -92,6 +92,10 @@ struct ConnState {
   std::vector<std::unique_ptr<std::mutex>> send_mutex;
   std::atomic<std::uint32_t> errors_logged{0};
   std::atomic<bool> closing{false};
+  // Refused at accept (rank outside the job, or a rank that already has a
+  // live connection): the worker's join is answered with this error, then
+  // the connection is closed. Never counted in rank_connections.
+  std::optional<Error> refused;
 };
 
 }  // namespace
@@ -453,13 +457,64 @@ void Server::Impl::broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint
 
 void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
   const transport::PeerInfo& peer = conn->peer();
+  // A refused worker learns why from its join's error reply (then the
+  // connection closes); anything else is closed at once.
+  auto refuse = [&](Error why) {
+    auto state = std::make_shared<ConnState>();
+    state->id = next_conn_id.fetch_add(1, std::memory_order_relaxed);
+    state->conn = conn;
+    state->rank = peer.rank;
+    state->peer = peer.address;
+    state->pending.resize(peer.num_channels);
+    for (std::uint32_t i = 0; i < peer.num_channels; ++i) {
+      state->send_mutex.push_back(std::make_unique<std::mutex>());
+    }
+    state->refused = std::move(why);
+    std::unique_lock lock(conns_mutex);
+    by_ptr[conn.get()] = state;
+    by_id[state->id] = state;
+  };
   if (peer.role != transport::Role::kWorker || peer.rank >= config.cluster.num_workers) {
     bad_messages->inc();
     log->warn("refusing {} '{}' with rank {}: this job has {} worker(s) (cluster.num_workers); "
               "see docs/troubleshooting.md#worker-loss",
               transport::role_name(peer.role), peer.address, peer.rank, config.cluster.num_workers);
-    conn->close();
+    if (peer.role != transport::Role::kWorker) {
+      conn->close();
+      return;
+    }
+    refuse(Error(ErrorCode::kConfig,
+                 fmt::format("rank {} is outside this job: it has {} worker(s) (ranks 0 .. {}; "
+                             "[cluster] num_workers); give this worker a rank in that range or "
+                             "every process the same [cluster] table",
+                             peer.rank, config.cluster.num_workers, config.cluster.num_workers - 1)));
     return;
+  }
+  {
+    // Two live workers with one rank would have each other's pushes dropped
+    // as re-sends: refuse the second (retryable: a worker reconnecting
+    // before this server noticed its old connection die gets in once the
+    // old one is declared lost).
+    std::unique_lock lock(conns_mutex);
+    if (rank_connections[peer.rank] > 0) {
+      std::string other;
+      for (const auto& [id, s] : by_id) {
+        if (s->rank == peer.rank && !s->refused) other = s->peer;
+      }
+      lock.unlock();
+      log->warn("refusing worker '{}' with rank {}: rank {} is already connected from {}; see "
+                "docs/troubleshooting.md#worker-loss",
+                peer.address, peer.rank, peer.rank, other);
+      refuse(Error(ErrorCode::kUnavailable,
+                   fmt::format("rank {} is already connected from {}: two workers cannot share a "
+                               "rank; give each a distinct rank, or, if that worker is gone, retry "
+                               "after heartbeat_timeout ({} ms) has declared it lost",
+                               peer.rank, other,
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   config.communication.heartbeat_timeout)
+                                   .count())));
+      return;
+    }
   }
   auto state = std::make_shared<ConnState>();
   state->id = next_conn_id.fetch_add(1, std::memory_order_relaxed);
@@ -494,6 +549,11 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
     state = it->second;
     by_ptr.erase(it);
     by_id.erase(state->id);
+    if (state->refused) {
+      lock.unlock();
+      conns_cv.notify_all();
+      return;  // never counted as the rank's connection
+    }
     if (--rank_connections[state->rank] == 0) {
       rank_lost[state->rank] = 1;
       lost = true;
@@ -726,6 +786,19 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
   }
   const proto::MessageView& m = *decoded;
   const proto::Header& h = m.header;
+  if (c->refused) {
+    // Answer the join with the reason, then close (the reply is sent first).
+    // Sent here, on the I/O thread: no shard thread ever sends on a refused
+    // connection, so there is no send lock to wait for; close() drains it.
+    if (h.type == proto::MsgType::kJoin && !c->closing.exchange(true)) {
+      error_replies->inc();
+      const auto reply = proto::encode_error_reply(h, *c->refused);
+      (void)c->conn->send(msg.channel, reply);
+      (void)c->conn->flush(msg.channel);
+      c->conn->close();
+    }
+    return;
+  }
   if (h.is_reply()) {
     close_bad(*c, Error(ErrorCode::kProtocol, fmt::format("a worker sent a reply: {}", proto::describe(h))));
     return;

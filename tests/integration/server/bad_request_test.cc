@@ -221,6 +221,15 @@ TEST_F(BadRequests, RankThatDisagreesWithHandshakeClosesConnection) {
 
 TEST_F(BadRequests, RankOutsideTheJobIsRefused) {
   RawClient c(server->address(), 7);
+  // Its join is answered with the reason, then the server closes.
+  Header join;
+  join.type = MsgType::kJoin;
+  const proto::JoinRequestBody body{2, 1, 0, 0};
+  const auto body_bytes = proto::encode_body(body);
+  join.worker_rank = 7;
+  join.request_id = 1;
+  c.send(proto::encode_message(join, {}, body_bytes));
+  expect_error(c, ErrorCode::kConfig, "rank 7 is outside this job: it has 2 worker(s)");
   ASSERT_TRUE(c.closed());
   expect_good_worker_served();
   EXPECT_NE(server->log().find("refusing worker"), std::string::npos) << server->log();

@@ -188,6 +188,41 @@ TEST(WorkerClient, AFailedPushGivesItsStepBackSoTheRetryCompletesTheRound) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(WorkerClient, ASecondWorkerWithALiveRankIsRefusedWithTheReason) {
+  LocalServer s(base_config(2));
+  auto first = s.worker(0);
+  ASSERT_TRUE(first);
+  config::Config c = s.config;
+  config::set_worker_rank(c, 0);
+  auto second = Worker::create(c);
+  ASSERT_FALSE(second) << "two live workers with rank 0 were both accepted";
+  EXPECT_NE(second.error().to_string().find("rank 0 is already connected from 127.0.0.1:"),
+            std::string::npos)
+      << second.error().to_string();
+  // The first one is unaffected, and once it is gone the rank is free again.
+  ASSERT_TRUE(first->init(1, kShape, kInit).wait());
+  first.reset();
+  std::unique_ptr<Worker> again;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!again && std::chrono::steady_clock::now() < deadline) {
+    auto w = Worker::create(c);  // the server may not have seen the close yet
+    if (w) again = std::move(*w);
+  }
+  EXPECT_TRUE(again) << "rank 0 stayed refused after its worker left";
+}
+
+TEST(WorkerClient, ARankOutsideTheServersJobIsRefusedWithTheReason) {
+  LocalServer s(base_config(2));
+  config::Config c = s.config;
+  ASSERT_TRUE(config::set_value(c, "cluster.num_workers", "3"));
+  config::set_worker_rank(c, 2);
+  auto w = Worker::create(c);
+  ASSERT_FALSE(w);
+  EXPECT_NE(w.error().to_string().find("rank 2 is outside this job: it has 2 worker(s)"),
+            std::string::npos)
+      << w.error().to_string();
+}
+
 TEST(WorkerClient, SetLearningRateAppliesToLaterSteps) {
   LocalServer s(base_config(1));
   auto w = s.worker(0);
