@@ -704,6 +704,17 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
                             cl.num_workers, cl.servers.size(), config.server.server_index)));
     return;
   }
+  if (body.partition_check != 0 &&
+      body.partition_check != proto::partition_check(config.server.partition_bytes)) {
+    error(ReplyTo{c.id, channel}, h,
+          Error(ErrorCode::kConfig,
+                fmt::format("worker {} has a different [server] partition_bytes: this server cuts "
+                            "tensors into chunks of {} bytes, and a worker that cuts them "
+                            "otherwise would address other chunks. Give every process the same "
+                            "partition_bytes",
+                            c.rank, config.server.partition_bytes)));
+    return;
+  }
   proto::JoinReplyBody rb{};
   rb.num_workers = cl.num_workers;
   rb.num_servers = static_cast<std::uint32_t>(cl.servers.size());

@@ -517,7 +517,8 @@ Status Worker::Impl::join(ServerLink& link) {
   o.pending.dest_bytes = sizeof body;
   const proto::JoinRequestBody jb{config.cluster.num_workers,
                                   static_cast<std::uint32_t>(config.cluster.servers.size()),
-                                  link.index, 0};
+                                  link.index,
+                                  proto::partition_check(config.server.partition_bytes)};
   const auto jb_bytes = proto::encode_body(jb);
   o.data = jb_bytes;
   send(std::move(o), true, true);

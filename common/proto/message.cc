@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "common/base/check.h"
+#include "common/placement/placement.h"
 
 namespace ember::proto {
 namespace {
@@ -388,7 +389,8 @@ std::vector<std::byte> encode_error_reply(const Header& request, const Error& er
 }
 
 std::array<std::byte, sizeof(JoinRequestBody)> encode_body(const JoinRequestBody& body) {
-  JoinRequestBody w{to_le(body.num_workers), to_le(body.num_servers), to_le(body.server_index), 0};
+  JoinRequestBody w{to_le(body.num_workers), to_le(body.num_servers), to_le(body.server_index),
+                    to_le(body.partition_check)};
   std::array<std::byte, sizeof w> out;
   std::memcpy(out.data(), &w, sizeof w);
   return out;
@@ -410,7 +412,12 @@ JoinRequestBody decode_join_request(std::span<const std::byte, sizeof(JoinReques
   JoinRequestBody w;
   std::memcpy(&w, bytes.data(), sizeof w);
   return {from_le(w.num_workers), from_le(w.num_servers), from_le(w.server_index),
-          from_le(w.reserved)};
+          from_le(w.partition_check)};
+}
+
+std::uint32_t partition_check(std::uint64_t partition_bytes) noexcept {
+  const std::uint64_t h = placement::mix64(partition_bytes);
+  return static_cast<std::uint32_t>(h ^ (h >> 32)) | 1u;
 }
 
 JoinReplyBody decode_join_reply(std::span<const std::byte, sizeof(JoinReplyBody)> bytes) {

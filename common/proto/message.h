@@ -161,9 +161,15 @@ struct JoinRequestBody {
   std::uint32_t num_workers;   // 0
   std::uint32_t num_servers;   // 4
   std::uint32_t server_index;  // 8  index of the server the worker thinks it reached
-  std::uint32_t reserved;      // 12 zero
+  // 12: partition_check(partition_bytes) of the worker's [server]
+  // partition_bytes, which fixes how tensors are cut into chunks; 0 = not
+  // stated (not checked).
+  std::uint32_t partition_check;
 };
 static_assert(sizeof(JoinRequestBody) == 16);
+// A non-zero 32-bit digest of partition_bytes (placement::mix64, folded), so
+// a server can refuse a worker that would cut tensors differently.
+std::uint32_t partition_check(std::uint64_t partition_bytes) noexcept;
 static_assert(offsetof(JoinRequestBody, server_index) == 8);
 
 // Consistency model and loss policy codes (JoinReplyBody, checkpoints).

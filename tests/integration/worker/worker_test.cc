@@ -223,6 +223,20 @@ TEST(WorkerClient, ARankOutsideTheServersJobIsRefusedWithTheReason) {
       << w.error().to_string();
 }
 
+TEST(WorkerClient, AWorkerWithAnotherPartitionBytesIsRefusedAtJoin) {
+  LocalServer s(base_config(1));
+  config::Config c = s.config;
+  ASSERT_TRUE(config::set_value(c, "server.partition_bytes", "8KB"));
+  config::set_worker_rank(c, 0);
+  auto w = Worker::create(c);
+  ASSERT_FALSE(w);
+  EXPECT_EQ(w.error().code(), ErrorCode::kConfig) << w.error().to_string();
+  EXPECT_NE(w.error().to_string().find("different [server] partition_bytes: this server cuts "
+                                       "tensors into chunks of 4194304 bytes"),
+            std::string::npos)
+      << w.error().to_string();
+}
+
 TEST(WorkerClient, SetLearningRateAppliesToLaterSteps) {
   LocalServer s(base_config(1));
   auto w = s.worker(0);

@@ -135,7 +135,7 @@ TEST(Proto, JoinBodiesRoundTrip) {
   Header h;
   h.type = MsgType::kJoin;
   h.worker_rank = 3;
-  JoinRequestBody body{4, 2, 1, 0};
+  JoinRequestBody body{4, 2, 1, partition_check(4u << 20)};
   const auto bytes = encode_message(h, {}, encode_body(body));  // the view points into it
   auto m = decode(bytes);
   ASSERT_TRUE(m);
@@ -143,6 +143,9 @@ TEST(Proto, JoinBodiesRoundTrip) {
   EXPECT_EQ(back.num_workers, 4u);
   EXPECT_EQ(back.num_servers, 2u);
   EXPECT_EQ(back.server_index, 1u);
+  EXPECT_EQ(back.partition_check, partition_check(4u << 20));
+  EXPECT_NE(partition_check(4u << 20), 0u);
+  EXPECT_NE(partition_check(4u << 20), partition_check(8u << 10));
 
   Header r = reply_header(h);
   JoinReplyBody rb{4, 2, 1, static_cast<std::uint8_t>(Consistency::kSsp),
