@@ -23,6 +23,7 @@
 #include "common/proto/message.h"
 #include "common/proto/runtime.h"
 #include "common/record/recorder.h"
+#include "common/transport/tcp/address.h"
 #include "common/transport/transport.h"
 #include "server/checkpoint.h"
 #include "server/metrics_http.h"
@@ -1054,6 +1055,20 @@ Server::Server() : impl_(std::make_unique<Impl>()) {}
 
 Server::~Server() {
   if (impl_) (void)impl_->shutdown();
+}
+
+Status check_listen_address(const config::Config& config) {
+  if (config.communication.transport != config::Transport::kTcp) return ok_status();
+  const std::string address =
+      proto::endpoint_address(transport::Kind::kTcp, config::effective_listen(config));
+  EMBER_ASSIGN_OR_RETURN(const auto endpoint, transport::tcp::resolve_endpoint(address));
+  if (!endpoint.address().is_loopback() && config.communication.auth_token.empty()) {
+    return make_error(ErrorCode::kConfig,
+                      "listening on {} (not a loopback address) needs an auth token: set "
+                      "[communication] auth_token to a shared secret on the server and the workers",
+                      address);
+  }
+  return ok_status();
 }
 
 Result<std::unique_ptr<Server>> Server::create(const config::Config& config) {

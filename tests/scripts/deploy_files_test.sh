@@ -50,9 +50,19 @@ replicas = sts["spec"]["replicas"]
 servers = [l for l in cm["data"]["ember.toml"].splitlines() if l.startswith("servers")]
 assert servers and servers[0].count(":7070") == replicas, "cluster.servers does not list every replica"
 PY
-"$server" --config "$tmp/k8s.toml" --check-config >/dev/null || fail "k8s ConfigMap ember.toml is not valid"
-"$server" --config "$tmp/k8s.toml" --set server.server_index=1 --check-config >/dev/null \
+# The pods add the token from the Secret (--set communication.auth_token=...).
+k8s_token=(--set communication.auth_token=from-the-secret)
+"$server" --config "$tmp/k8s.toml" "${k8s_token[@]}" --check-config >/dev/null \
+  || fail "k8s ConfigMap ember.toml is not valid"
+"$server" --config "$tmp/k8s.toml" "${k8s_token[@]}" --set server.server_index=1 --check-config >/dev/null \
   || fail "k8s: server_index 1 refused"
+if "$server" --config "$tmp/k8s.toml" --check-config >/dev/null 2>&1; then
+  fail "k8s: a 0.0.0.0 listen address without a token passed --check-config"
+fi
+grep -q -- '--set "communication.auth_token=${EMBER_AUTH_TOKEN}"' "$tmp/k8s-server.cmd" \
+  || fail "k8s server command does not pass the auth token"
+grep -q -- '--set "communication.auth_token=${EMBER_AUTH_TOKEN}"' "$tmp/k8s-worker.cmd" \
+  || fail "k8s worker command does not pass the auth token"
 for f in $(grep -o -- ' --[a-z][a-z-]*' "$tmp/k8s-server.cmd"); do has_flag "$tmp/server.help" "$f"; done
 grep -q -- '--set "server.server_index=${HOSTNAME##\*-}"' "$tmp/k8s-server.cmd" \
   || fail "k8s server command does not set server_index from the pod ordinal"
@@ -79,7 +89,8 @@ for f in $(grep -A3 'server/ember-server' "$root/deploy/slurm/ember.sbatch" | gr
   has_flag "$tmp/server.help" "$f"
 done
 (cd "$root" && "$server" --config config/ember.toml --set "cluster.servers=n1:7070,n2:7070" \
-  --set cluster.num_workers=8 --set server.server_index=1 --listen 0.0.0.0:7070 --check-config >/dev/null) \
+  --set cluster.num_workers=8 --set server.server_index=1 --set communication.auth_token=t \
+  --listen 0.0.0.0:7070 --check-config >/dev/null) \
   || fail "slurm's overrides are refused by --check-config"
 
 # --- systemd -----------------------------------------------------------------

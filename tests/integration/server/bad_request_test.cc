@@ -318,6 +318,15 @@ TEST(ServerCli, CheckConfigRefusesBadFilesWithFileAndLine) {
     EXPECT_EQ(r.status, 1) << c.name << ": " << r.out << r.err;
     EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.name << ": " << r.err;
   }
+  // What start-up would refuse: a non-loopback listen address without a token.
+  write_file(dir / "ok.toml", cluster_toml(ClusterSpec{}, {"127.0.0.1:7070"}));
+  auto open_listen = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--listen",
+                                   "0.0.0.0:7070", "--check-config"});
+  EXPECT_EQ(open_listen.status, 1) << open_listen.out;
+  EXPECT_NE(open_listen.err.find("listening on 0.0.0.0:7070 (not a loopback address) needs an "
+                                 "auth token"),
+            std::string::npos)
+      << open_listen.err;
   auto missing = run_cli(dir, {"--config", (dir / "nope.toml").string(), "--check-config"});
   EXPECT_EQ(missing.status, 1);
   EXPECT_NE(missing.err.find("nope.toml"), std::string::npos) << missing.err;
