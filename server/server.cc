@@ -458,9 +458,7 @@ void Server::Impl::broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint
 
 void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
   const transport::PeerInfo& peer = conn->peer();
-  // A refused worker learns why from its join's error reply (then the
-  // connection closes); anything else is closed at once.
-  auto refuse = [&](Error why) {
+  auto new_state = [&] {
     auto state = std::make_shared<ConnState>();
     state->id = next_conn_id.fetch_add(1, std::memory_order_relaxed);
     state->conn = conn;
@@ -470,6 +468,11 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
     for (std::uint32_t i = 0; i < peer.num_channels; ++i) {
       state->send_mutex.push_back(std::make_unique<std::mutex>());
     }
+    return state;
+  };
+  // A refused worker learns why from its join's error reply (then the
+  // connection closes); anything else is closed at once.
+  auto refuse = [&](Error why, std::shared_ptr<ConnState> state) {
     state->refused = std::move(why);
     std::unique_lock lock(conns_mutex);
     by_ptr[conn.get()] = state;
@@ -488,14 +491,18 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
                  fmt::format("rank {} is outside this job: it has {} worker(s) (ranks 0 .. {}; "
                              "[cluster] num_workers); give this worker a rank in that range or "
                              "every process the same [cluster] table",
-                             peer.rank, config.cluster.num_workers, config.cluster.num_workers - 1)));
+                             peer.rank, config.cluster.num_workers, config.cluster.num_workers - 1)),
+           new_state());
     return;
   }
+  auto state = new_state();
+  bool back = false;
   {
     // Two live workers with one rank would have each other's pushes dropped
     // as re-sends: refuse the second (retryable: a worker reconnecting
     // before this server noticed its old connection die gets in once the
-    // old one is declared lost).
+    // old one is declared lost). Checked and counted under one lock, so two
+    // I/O threads cannot both admit the same rank.
     std::unique_lock lock(conns_mutex);
     if (rank_connections[peer.rank] > 0) {
       std::string other;
@@ -513,22 +520,10 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
                                peer.rank, other,
                                std::chrono::duration_cast<std::chrono::milliseconds>(
                                    config.communication.heartbeat_timeout)
-                                   .count())));
+                                   .count())),
+             state);
       return;
     }
-  }
-  auto state = std::make_shared<ConnState>();
-  state->id = next_conn_id.fetch_add(1, std::memory_order_relaxed);
-  state->conn = conn;
-  state->rank = peer.rank;
-  state->peer = peer.address;
-  state->pending.resize(peer.num_channels);
-  for (std::uint32_t i = 0; i < peer.num_channels; ++i) {
-    state->send_mutex.push_back(std::make_unique<std::mutex>());
-  }
-  bool back = false;
-  {
-    std::unique_lock lock(conns_mutex);
     by_ptr[conn.get()] = state;
     by_id[state->id] = state;
     if (rank_connections[peer.rank]++ == 0 && rank_lost[peer.rank]) {
