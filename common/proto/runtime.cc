@@ -2,7 +2,7 @@
 #include "common/proto/runtime.h"
 
 #include "common/base/logging.h"
-#include "common/transport/rdma/device.h"
+#include "common/transport/options_from_config.h"
 
 namespace ember::proto {
 namespace {
@@ -28,36 +28,12 @@ bool is_loopback(const std::string& host) {
 }  // namespace
 
 Result<transport::Options> transport_options(const config::Config& config) {
-  const config::CommunicationConfig& c = config.communication;
-  transport::Options o;
-  switch (c.transport) {
-    case config::Transport::kTcp: o.kind = transport::Kind::kTcp; break;
-    case config::Transport::kShm: o.kind = transport::Kind::kShm; break;
-    case config::Transport::kRdma: o.kind = transport::Kind::kRdma; break;
-    case config::Transport::kAuto: {
-      bool all_local = true;
-      for (const auto& s : config.cluster.servers) all_local = all_local && is_loopback(s.host);
-      const transport::rdma::AutoChoice choice =
-          transport::rdma::choose_auto(all_local, transport::rdma::probe_rdma());
-      o.kind = choice.kind;
-      log::logger("transport")->info("{}", choice.reason);
-      break;
-    }
-  }
-  o.batch_threshold_bytes = c.batch_threshold_bytes;
-  o.flush_interval = c.flush_interval;
-  o.busy_poll = c.busy_poll;
-  o.num_channels = config::resolved_num_channels(c);
-  o.zero_copy = c.zero_copy == config::ZeroCopy::kSendfile ? transport::ZeroCopy::kSendfile
-                                                           : transport::ZeroCopy::kWritev;
-  o.num_io_threads = c.num_io_threads;
-  o.cpu_affinity.assign(c.cpu_affinity.begin(), c.cpu_affinity.end());
-  o.heartbeat_interval = c.heartbeat_interval;
-  o.heartbeat_timeout = c.heartbeat_timeout;
-  o.max_message_bytes = c.max_message_bytes;
-  o.max_queued_bytes = c.max_queued_bytes;
-  o.ring_slots = c.ring_buffer_slots;
-  o.auth_token = c.auth_token;
+  // The [communication] mapping is transport::options_from_config's; the job
+  // adds where the servers are (auto) and the worker's connect timeout.
+  bool all_local = true;
+  for (const auto& s : config.cluster.servers) all_local = all_local && is_loopback(s.host);
+  EMBER_ASSIGN_OR_RETURN(transport::Options o,
+                         transport::options_from_config(config.communication, all_local));
   o.connect_timeout = config.worker.connect_timeout;
   return o;
 }
