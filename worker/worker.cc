@@ -442,6 +442,8 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   const std::uint32_t attempts = config.worker.connect_retries + 1;
   std::chrono::milliseconds backoff(50);
   Error last;
+  std::uint32_t made = 0;  // attempts actually made
+  bool hopeless = false;   // an error a retry cannot cure ended the loop early
   for (std::uint32_t attempt = 1; attempt <= attempts; ++attempt) {
     if (closing.load()) {
       last = Error(ErrorCode::kClosed, "the worker is shutting down");
@@ -450,12 +452,14 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
     auto conn = transport->connect(
         link.address, transport::LocalIdentity{transport::Role::kWorker, config.worker.rank},
         handlers);
+    made = attempt;
     if (conn) return std::move(*conn);
     last = conn.error();
     const ErrorCode code = last.code();
     if (code == ErrorCode::kAuth || code == ErrorCode::kVersionMismatch ||
         code == ErrorCode::kProtocol || code == ErrorCode::kConfig ||
         code == ErrorCode::kInvalidArgument) {
+      hopeless = true;
       break;  // retrying cannot help
     }
     {
@@ -467,9 +471,16 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
-  last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (after {} attempt(s); "
-                                "[worker] connect_retries, connect_timeout)",
-                                config.worker.rank, link.index, link.address, attempts));
+  if (hopeless) {
+    last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (attempt {}; not "
+                                  "retried: a retry cannot cure {})",
+                                  config.worker.rank, link.index, link.address, made,
+                                  error_code_name(last.code())));
+  } else {
+    last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (after {} of {} "
+                                  "attempt(s); [worker] connect_retries, connect_timeout)",
+                                  config.worker.rank, link.index, link.address, made, attempts));
+  }
   return tl::unexpected(last);
 }
 

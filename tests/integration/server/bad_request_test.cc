@@ -270,6 +270,32 @@ TEST(BadRequestsBsp, PushForAClosedRoundIsStale) {
   EXPECT_NE(text.find("pull to catch up"), std::string::npos) << text;
 }
 
+TEST(BadRequestsAuth, WrongAuthTokenFailsAtOnceWithoutRetries) {
+  TempDir dir;
+  ClusterSpec spec;
+  ServerProcess server(dir, spec, 0, {"--set", "communication.auth_token=right-secret"});
+  ASSERT_TRUE(server.ok());
+  auto cfg = worker_config(spec, {server.address()}, 0);
+  cfg.communication.auth_token = "wrong-secret";
+  cfg.worker.connect_retries = 20;  // with back-off this would take over 15 s if retried
+  auto w = Worker::create(cfg);
+  ASSERT_FALSE(w);
+  EXPECT_EQ(w.error().code(), ErrorCode::kAuth) << w.error().to_string();
+  EXPECT_NE(w.error().message().find("attempt 1; not retried: a retry cannot cure"),
+            std::string::npos)
+      << w.error().to_string();
+  EXPECT_NE(w.error().message().find("auth_token"), std::string::npos) << w.error().to_string();
+  // The server saw exactly one attempt: stop it (its log is complete once it
+  // exits) and count its refusals.
+  server.process().signal(SIGTERM);
+  ASSERT_TRUE(server.process().wait_exit());
+  const std::string log = server.log();
+  const std::string needle = "wrong auth token";
+  std::size_t seen = 0;
+  for (auto at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) ++seen;
+  EXPECT_EQ(seen, 1u) << log;
+}
+
 // --- the daemon's command line ---
 
 struct CliResult {
