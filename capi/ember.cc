@@ -61,6 +61,9 @@ EMBER_CAPI_SAME_CODE(EMBER_E_STALE, kStale);
 EMBER_CAPI_SAME_CODE(EMBER_E_CANCELLED, kCancelled);
 EMBER_CAPI_SAME_CODE(EMBER_E_INTERNAL, kInternal);
 EMBER_CAPI_SAME_CODE(EMBER_E_CORRUPT, kCorrupt);
+EMBER_CAPI_SAME_CODE(EMBER_E_OUT_OF_STEP, kOutOfStep);
+static_assert(EMBER_E_OUT_OF_STEP == static_cast<int>(ember::kLastErrorCode),
+              "ember.h lacks the newest ErrorCode");
 #undef EMBER_CAPI_SAME_CODE
 namespace {
 
@@ -326,7 +329,7 @@ EMBER_API int ember_abi_version(void) { return EMBER_ABI_VERSION; }
 
 EMBER_API const char* ember_error_name(int code) {
   if (code == EMBER_PENDING) return "pending";
-  if (code < 0 || code > EMBER_E_CORRUPT) return "unknown";
+  if (code < 0 || code > EMBER_E_OUT_OF_STEP) return "unknown";
   // error_code_name returns views of string literals: NUL-terminated.
   return ember::error_code_name(static_cast<ErrorCode>(code)).data();
 }

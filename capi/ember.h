@@ -91,7 +91,10 @@ typedef enum ember_status {
   EMBER_E_STALE = 17,              /* a push for a step whose round is already over */
   EMBER_E_CANCELLED = 18,          /* the operation was cancelled by shutdown */
   EMBER_E_INTERNAL = 19,           /* an internal failure (also: out of memory, a C++ exception) */
-  EMBER_E_CORRUPT = 20             /* stored data (checkpoint) failed validation */
+  EMBER_E_CORRUPT = 20,            /* stored data (checkpoint) failed validation */
+  EMBER_E_OUT_OF_STEP = 21         /* the step does not follow the server's (it restarted from an
+                                    * older checkpoint): ember_step now gives the server's step;
+                                    * pull at it and continue from there */
 } ember_status;
 
 /* rank argument of ember_worker_create: keep [worker] rank from the config. */
@@ -241,7 +244,9 @@ EMBER_API int ember_init(ember_worker* worker, uint64_t key, const uint64_t* sha
  * Errors: EMBER_E_INVALID_ARGUMENT (worker/gradient NULL, num_elements not
  *   the key's element count), EMBER_E_NOT_FOUND (key not init-ed by this
  *   worker), EMBER_E_SHAPE_MISMATCH, EMBER_E_STALE (bsp: the step's round is
- *   over), EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
+ *   over), EMBER_E_OUT_OF_STEP (bsp: the server is at an earlier step; the
+ *   key's step is now the server's, see ember_step), EMBER_E_CLOSED,
+ *   EMBER_E_TIMEOUT. */
 EMBER_API int ember_push(ember_worker* worker, uint64_t key, const float* gradient,
                          size_t num_elements, uint64_t* out_step);
 
@@ -249,7 +254,9 @@ EMBER_API int ember_push(ember_worker* worker, uint64_t key, const float* gradie
  * include every push this worker made (bsp: every worker's pushes of those
  * steps). Blocks until they are in. out_step: the step to compute next.
  * Errors: EMBER_E_INVALID_ARGUMENT (worker/out NULL, wrong num_elements),
- *   EMBER_E_NOT_FOUND, EMBER_E_WORKER_LOST, EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
+ *   EMBER_E_NOT_FOUND, EMBER_E_WORKER_LOST, EMBER_E_OUT_OF_STEP (bsp/ssp: the
+ *   step needs pushes of this worker the server never received; the key's
+ *   step is now the server's), EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
 EMBER_API int ember_pull(ember_worker* worker, uint64_t key, float* out, size_t num_elements,
                          uint64_t* out_step);
 

@@ -10,8 +10,10 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -207,6 +209,10 @@ struct Server::Impl final : ReplySink {
     send_message(to, header, std::as_bytes(values));
   }
   void error(const ReplyTo& to, const proto::Header& request, const Error& err) override;
+  // Whether this is the first kOutOfStep refusal of (rank, key, chunk) (then it is logged).
+  bool first_out_of_step(std::uint32_t rank, std::uint64_t key, std::uint32_t chunk);
+  std::mutex out_of_step_mutex;
+  std::set<std::tuple<std::uint32_t, std::uint64_t, std::uint32_t>> out_of_step_logged;
 
   // ---- checkpoints ----
 
@@ -589,12 +595,22 @@ void Server::Impl::close_bad(ConnState& c, const Error& why) {
   c.conn->close();
 }
 
+bool Server::Impl::first_out_of_step(std::uint32_t rank, std::uint64_t key, std::uint32_t chunk) {
+  std::lock_guard lock(out_of_step_mutex);
+  return out_of_step_logged.emplace(rank, key, chunk).second;
+}
+
 void Server::Impl::error(const ReplyTo& to, const proto::Header& request, const Error& err) {
   error_replies->inc();
   auto c = find_id(to.connection_id);
   if (!c) return;
   const bool noisy = err.code() != ErrorCode::kWorkerLost && err.code() != ErrorCode::kCancelled;
-  if (noisy && c->errors_logged.fetch_add(1, std::memory_order_relaxed) < kLoggedErrorsPerConnection) {
+  // kOutOfStep: logged once per (rank, key, chunk), whatever the connection
+  // (a restored server refuses each key of each worker once, then they resync).
+  const bool out_of_step = err.code() == ErrorCode::kOutOfStep;
+  if (out_of_step ? first_out_of_step(c->rank, request.key, request.chunk_index)
+                  : noisy && c->errors_logged.fetch_add(1, std::memory_order_relaxed) <
+                                 kLoggedErrorsPerConnection) {
     log->warn("bad request from worker {} ({}): {}: {}", c->rank, c->peer, proto::describe(request),
               err.to_string());
   }

@@ -55,6 +55,44 @@ std::uint64_t ShardCore::resume_step(const Entry& e, std::uint32_t rank) const {
   return options_.consistency == proto::Consistency::kBsp ? e.version : e.clocks[rank];
 }
 
+std::uint64_t ShardCore::expected_step(const Entry& e, std::uint32_t rank) const {
+  if (options_.consistency == proto::Consistency::kBsp) return std::max(e.clocks[rank], e.version);
+  return e.clocks[rank];
+}
+
+bool ShardCore::waits_on_itself(const Entry& e, std::uint32_t rank, std::uint64_t want) const {
+  if (membership_.excluded(rank)) return false;  // rounds do not wait for it
+  switch (options_.consistency) {
+    case proto::Consistency::kBsp:
+      // Served when version >= want, i.e. after rounds version .. want-1,
+      // each needing this rank's push; it has pushed those below clock.
+      return want > e.version && want > e.clocks[rank];
+    case proto::Consistency::kSsp:
+      return e.clocks[rank] + options_.staleness < want;
+    case proto::Consistency::kAsp:
+      return false;
+  }
+  return false;
+}
+
+void ShardCore::refuse_out_of_step(Entry& e, const Request& request, std::uint64_t asked,
+                                   ReplySink& sink) {
+  const proto::Header& h = request.header;
+  const std::uint64_t at = expected_step(e, h.worker_rank);
+  proto::Header reply_to = h;
+  reply_to.step = at;  // the reply tells the worker where to continue
+  sink.error(request.to, reply_to,
+             Error(ErrorCode::kOutOfStep,
+                   fmt::format("{} of step {} for {} from rank {} does not follow the "
+                               "server, which is at step {} for that rank (it restarted from an "
+                               "older checkpoint, or the worker lost track): the steps between "
+                               "were never received and the round would wait forever; pull key "
+                               "{} at step {} and continue from there; Worker::step(key) now "
+                               "returns {}; see docs/troubleshooting.md#out-of-step",
+                               proto::msg_type_name(h.type), asked, entry_name(e.id),
+                               h.worker_rank, at, e.id.key, at, at)));
+}
+
 void ShardCore::reply_params(const Entry& e, const Request& request, ReplySink& sink) {
   proto::Header r = proto::reply_header(request.header);
   r.dtype = e.dtype;
@@ -168,6 +206,10 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
                                  "closed (now at step {}); pull to catch up; see "
                                  "docs/troubleshooting.md#reordered-messages",
                                  t, entry_name(e.id), rank, e.version)));
+    return PushOutcome::kRefused;
+  }
+  if (t > expected_step(e, rank)) {
+    refuse_out_of_step(e, request, t, sink);
     return PushOutcome::kRefused;
   }
   if (t - e.version > options_.max_steps_ahead) {
@@ -358,6 +400,10 @@ void ShardCore::on_pull(const Request& request, TimePoint /*now*/, ReplySink& si
   if (e == nullptr) return;
   if (Status s = check_layout(*e, request.header); !s) {
     sink.error(request.to, request.header, s.error());
+    return;
+  }
+  if (waits_on_itself(*e, request.header.worker_rank, request.header.step)) {
+    refuse_out_of_step(*e, request, request.header.step, sink);
     return;
   }
   park_or_answer(*e, Parked{request, request.header.step, WaitKind::kPull}, sink);

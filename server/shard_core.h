@@ -36,6 +36,38 @@
 // should compute next: the version under bsp, the rank's own clock under
 // asp/ssp. A restarted worker uses it to rejoin.
 //
+// Out of step (ErrorCode::kOutOfStep). A rank's requests for one entry reach
+// the core in the order the worker issued them: one (key, chunk) always
+// travels on one server channel (common/placement), a channel delivers in
+// send order (transport.h), the I/O thread of a channel posts to this shard
+// through its own FIFO lane, and a reconnecting worker re-sends what was in
+// flight, in issue order, before anything newer (worker.h). Workers count
+// steps per key (push advances by one), so a rank's next push is exactly the
+// step this entry expects from it, and its pull of step t comes after its
+// pushes of the steps below t. Hence, for a required (not excluded) rank r
+// whose expected step is e = max(clock[r], version) under bsp:
+//  - a bsp push of step t > e skipped steps the server never saw (it
+//    restored an older checkpoint after a crash, or the worker lost track):
+//    round e needs r's push of e, which will never come, so every later round
+//    and every pull would wait until the worker's request_timeout;
+//  - a bsp pull of step t > e (and > version) can only be served by r's own
+//    pushes of steps e .. t-1, which, given the order, were never sent: it
+//    would wait on itself;
+//  - an ssp pull of step t with clock[r] + staleness < t waits on r's own
+//    clock the same way (e = clock[r]).
+// All three are refused at once with kOutOfStep. The error reply's step is
+// e, the step the worker must continue from (the worker sets its step(key)
+// to it); the message names key, chunk, rank, the step asked and e, and says
+// to pull at e. The server logs the first refusal per (rank, key, chunk),
+// with the peer (server.cc, ReplySink::error). A pull that a caller issues, with an explicit
+// step, before issuing its own pushes of the steps below is therefore refused
+// too (worker.h says so); a pull never overtakes an earlier push of its key.
+// asp and ssp pushes are never refused for a gap: they are applied on
+// arrival and move the rank's clock to t + 1, so nothing waits on the
+// skipped steps (asp pulls never wait; ssp pulls wait on clocks, which a gap
+// only advances). Under asp and ssp a restored server thus simply continues
+// from the workers' steps, without the updates the checkpoint lost.
+//
 // Worker loss: see membership.h. Requests waiting on a failed rank are
 // answered with kWorkerLost; under shrink, rounds complete without the lost
 // rank.
@@ -91,7 +123,8 @@ class ReplySink {
   // num_elements set when values flow).
   virtual void reply(const ReplyTo& to, const proto::Header& reply,
                      std::span<const float> values) = 0;
-  // An error reply to `request`.
+  // An error reply to `request`. For kOutOfStep, `request.step` is the step
+  // the server expects (the reply carries it), not the step asked.
   virtual void error(const ReplyTo& to, const proto::Header& request, const Error& error) = 0;
 };
 
@@ -148,11 +181,13 @@ class ShardCore {
 
   // kPush: ok at once (recorded or duplicate). Errors: kNotFound (no such
   // entry), kShapeMismatch (layout or dtype differs), kStale (bsp round
-  // over), kInvalidArgument (step too far ahead).
+  // over), kOutOfStep (bsp: the rank skipped steps; see "Out of step"),
+  // kInvalidArgument (step too far ahead).
   void on_push(const Request& request, Payload gradient, TimePoint now, ReplySink& sink);
 
   // kPull: the parameters, at once or when the step's condition holds.
-  // Errors: kNotFound, kShapeMismatch, kWorkerLost.
+  // Errors: kNotFound, kShapeMismatch, kWorkerLost, kOutOfStep (bsp/ssp: the
+  // pull would wait on this rank's own pushes that never came).
   void on_pull(const Request& request, TimePoint now, ReplySink& sink);
 
   // kPushPull: a push of step t, then the parameters for step t + 1 (one
@@ -247,6 +282,14 @@ class ShardCore {
   void serve_parked(Entry& e, ReplySink& sink);
   void serve_all(ReplySink& sink);
   std::string entry_name(const EntryId& id) const;
+  // The step this entry expects next from `rank`: its clock, under bsp at
+  // least the version (a rank excluded from past rounds resumes there).
+  std::uint64_t expected_step(const Entry& e, std::uint32_t rank) const;
+  // Whether a pull for `want` from `rank` can only be served by pushes of
+  // that rank which, given the request order, were never sent.
+  bool waits_on_itself(const Entry& e, std::uint32_t rank, std::uint64_t want) const;
+  // Replies kOutOfStep (reply step: expected_step) to `request`, asking for `asked`.
+  void refuse_out_of_step(Entry& e, const Request& request, std::uint64_t asked, ReplySink& sink);
 
   CoreOptions options_;
   Optimizer optimizer_;

@@ -48,6 +48,15 @@ bool Op::fail(Error e) {
   return true;
 }
 
+bool Op::fail_out_of_step(Error e, std::uint64_t at) {
+  std::unique_lock lock(mutex);
+  if (done) return false;
+  error = std::move(e);
+  if (on_out_of_step) on_out_of_step(at);
+  finish_locked(lock);
+  return true;
+}
+
 void Op::add_parts(std::uint32_t n) {
   std::lock_guard lock(mutex);
   remaining += n;

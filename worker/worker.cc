@@ -873,6 +873,14 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
   Op& op = *req->op;
   if (h.status != ErrorCode::kOk) {
     const std::string_view text(reinterpret_cast<const char*>(payload.data()), payload.size());
+    if (h.status == ErrorCode::kOutOfStep) {
+      // The reply's step is the step the server expects; the operation's
+      // before_done moves the key's step there. Named like a timeout.
+      op.fail_out_of_step(Error(h.status, fmt::format("{}{}server {}: {}", op.what,
+                                                      op.what.empty() ? "" : ": ", server, text)),
+                          h.step);
+      return;
+    }
     op.fail(Error(h.status, fmt::format("server {}: {}", server, text)));
     return;
   }
@@ -1175,14 +1183,21 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
   auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()),
                    fmt::format("{} of key {} step {} to server {}", proto::msg_type_name(type), key,
                                s, fmt::join(to, ", ")));
+  // kOutOfStep: the server is at another step for this key (restored from
+  // an older checkpoint); the caller continues from there.
+  op->on_out_of_step = [ks](std::uint64_t server_step) {
+    ks->next_step.store(server_step, std::memory_order_release);
+  };
   if (sends && !step) {
-    // A failed push gives its step back (when no later one was issued), so
-    // the caller's retry pushes the same step: the server applies a step
-    // once per (worker, key, step), so a retry of a push it did apply is
-    // dropped, and one it never saw is applied. Without this, a push that
-    // never reached the server left a hole the BSP round waits on forever.
     op->before_done = [ks, s](const Result<std::uint64_t>& r) {
-      if (r) return;
+      // A push refused out of step does not give its step back: the counter
+      // was reset to the server's step.
+      if (r || r.error().code() == ErrorCode::kOutOfStep) return;
+      // A failed push gives its step back (when no later one was issued), so
+      // the caller's retry pushes the same step: the server applies a step
+      // once per (worker, key, step), so a retry of a push it did apply is
+      // dropped, and one it never saw is applied. Without this, a push that
+      // never reached the server left a hole the BSP round waits on forever.
       std::uint64_t expected = s + 1;
       ks->next_step.compare_exchange_strong(expected, s, std::memory_order_acq_rel);
     };

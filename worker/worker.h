@@ -29,6 +29,20 @@
 // later push of that key was issued, so retrying the call pushes the same
 // step again (applied once, whether or not the server saw the first try).
 //
+// Out of step (kOutOfStep). A server that restarted from a checkpoint older
+// than the job's step (after kill -9 or a crash) cannot complete a bsp round
+// for a step it never saw pushed; instead of letting the job wait until
+// request_timeout, it refuses at once a push (bsp) or pull (bsp, ssp) whose
+// step does not follow its own. The Handle fails with kOutOfStep, naming the
+// request and the server's step, and step(key) is set to that step (a push
+// refused so does not give its step back). To continue, pull(key, out) (at
+// the new step(key): the parameters the server has) and go on pushing from
+// there; every worker of the job gets the same error and resumes at the same
+// step. asp and ssp pushes are accepted whatever their step (the server's
+// clock for the worker jumps to it). Under bsp a pull with an explicit step
+// for which this worker has not yet issued its pushes of the steps below is
+// refused the same way (it would wait on itself): issue pushes first.
+//
 // Tensors larger than [server] partition_bytes travel as chunks, each to the
 // server and channel common/placement assigns; a Handle completes when every
 // chunk is answered.
@@ -47,7 +61,8 @@
 // joins again, and re-sends them in issue order with the same request id,
 // key, chunk and step — the server applies a re-sent push once (it
 // deduplicates by worker, key and step; a server restored from a checkpoint
-// takes it as new). Each request is re-sent at most [worker]
+// takes it as new when the step follows the checkpoint's, and refuses it
+// with kOutOfStep when the checkpoint is older: see "Out of step"). Each request is re-sent at most [worker]
 // resend_attempts times (a failed reconnect counts), and its operation
 // still fails at request_timeout (kTimeout, naming the server and the
 // attempt). While re-sends for a server are queued, new requests to it wait
@@ -61,7 +76,12 @@
 // Asynchrony. Every call returns a Handle at once (handle.h); wait() or
 // async_wait() gives the Result. Errors found before sending (unknown key,
 // wrong sizes) come back as an already failed Handle. Calls from different
-// threads may overlap; per key and worker, issue pushes in step order.
+// threads may overlap; per key and worker, issue pushes in step order (a
+// call returns after its request is handed to the channel, so a call made
+// after another returned is sent after it; two concurrent pushes of one key
+// may reach the server out of step and be refused with kOutOfStep), and do
+// not mix pipelined and direct requests of one key before a flush (a direct
+// one overtakes those still queued).
 //
 // pipeline() returns a scope for many small tensors: enqueue() from any
 // thread puts the request in its channel's MPSC ring without sending;
@@ -171,17 +191,23 @@ class Worker {
 
   // Errors: kNotFound (key not init-ed by this worker, or unknown on the
   // server), kInvalidArgument (gradient.size() != elements), kShapeMismatch,
-  // kStale (bsp: the step's round is over), kClosed (connection lost and not
-  // re-sent, or re-sending gave up; see "Lost connections"), kTimeout.
+  // kStale (bsp: the step's round is over), kOutOfStep (bsp: the server is
+  // at an earlier step for this worker, e.g. restored from an older
+  // checkpoint; step(key) is now the server's step, see "Out of step"),
+  // kClosed (connection lost and not re-sent, or re-sending gave up; see
+  // "Lost connections"), kTimeout.
   Handle push(Key key, std::span<const float> gradient);
   Handle push(Key key, std::span<const float> gradient, std::uint64_t step);
 
   // Errors: kNotFound, kInvalidArgument (out.size() != elements),
   // kWorkerLost (a worker this step needs is gone, per on_worker_loss),
-  // kClosed, kTimeout.
+  // kOutOfStep (bsp/ssp: the step asked needs pushes of this worker the
+  // server never received; step(key) is now the server's step), kClosed,
+  // kTimeout.
   Handle pull(Key key, std::span<float> out);
   Handle pull(Key key, std::span<float> out, std::uint64_t step);
 
+  // Errors: those of push and pull (kOutOfStep from the push part: bsp).
   Handle push_pull(Key key, std::span<const float> gradient, std::span<float> out);
   Handle push_pull(Key key, std::span<const float> gradient, std::span<float> out,
                    std::uint64_t step);
@@ -193,7 +219,8 @@ class Worker {
   // Errors: kConfig (a server has no checkpoint_dir), kIo, kClosed, kTimeout.
   Handle checkpoint();
 
-  // The next step push(key) will use; 0 for a key not init-ed.
+  // The next step push(key) will use; 0 for a key not init-ed. After a
+  // kOutOfStep error: the step the refusing server expects.
   std::uint64_t step(Key key) const;
 
   Pipeline pipeline();
@@ -226,7 +253,9 @@ class Pipeline {
   // it too).
   Status flush();
   // flush(), then waits for every Handle enqueued through this scope.
-  // Returns the first error.
+  // Returns the first error: any of enqueue's (Worker's push / pull /
+  // push_pull errors, kOutOfStep included: then step(key) of that key is
+  // the server's step) or flush's.
   Status wait();
 
  private:

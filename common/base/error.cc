@@ -28,6 +28,7 @@ std::string_view error_code_name(ErrorCode code) noexcept {
     case ErrorCode::kCancelled: return "cancelled";
     case ErrorCode::kInternal: return "internal";
     case ErrorCode::kCorrupt: return "corrupt";
+    case ErrorCode::kOutOfStep: return "out_of_step";
   }
   return "unknown";
 }

@@ -43,7 +43,13 @@ enum class ErrorCode : std::uint16_t {
   kCancelled = 18,        // the operation was cancelled by shutdown
   kInternal = 19,         // an invariant failed in a way that is reported, not aborted
   kCorrupt = 20,          // stored data (checkpoint) failed validation
+  kOutOfStep = 21,        // a request's step does not follow the server's: the server
+                          // restarted from an older checkpoint or the worker lost track;
+                          // the error reply's step is the step the server expects
 };
+
+// The highest code in use (decoders refuse a status above it).
+inline constexpr ErrorCode kLastErrorCode = ErrorCode::kOutOfStep;
 
 // Short stable name of a code, e.g. "pool_exhausted".
 std::string_view error_code_name(ErrorCode code) noexcept;

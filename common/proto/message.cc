@@ -288,7 +288,7 @@ Result<MessageView> decode(std::span<const std::byte> bytes) {
     return make_error(ErrorCode::kMalformedFrame, "ndim {} exceeds {}", w.ndim, kMaxDims);
   }
   const std::uint16_t status = from_le(w.status);
-  if (status > static_cast<std::uint16_t>(ErrorCode::kCorrupt)) {
+  if (status > static_cast<std::uint16_t>(kLastErrorCode)) {
     return make_error(ErrorCode::kMalformedFrame, "unknown status code {}", status);
   }
   MessageView m;

@@ -21,7 +21,7 @@ from ._native import (  # noqa: F401  (status codes, re-exported)
     ABI_VERSION, OK, PENDING, E_INVALID_ARGUMENT, E_CONFIG, E_POOL_EXHAUSTED, E_TOO_LARGE,
     E_MALFORMED_FRAME, E_CHECKSUM_MISMATCH, E_IO, E_CLOSED, E_TIMEOUT, E_NOT_FOUND,
     E_SHAPE_MISMATCH, E_PROTOCOL, E_AUTH, E_VERSION_MISMATCH, E_UNAVAILABLE, E_WORKER_LOST,
-    E_STALE, E_CANCELLED, E_INTERNAL, E_CORRUPT, error_name)
+    E_STALE, E_CANCELLED, E_INTERNAL, E_CORRUPT, E_OUT_OF_STEP, error_name)
 from .worker import EmberError, Future, Pipeline, Worker, set_log_level, version  # noqa: F401
 
 __version__ = version()

@@ -42,6 +42,7 @@ E_STALE = 17
 E_CANCELLED = 18
 E_INTERNAL = 19
 E_CORRUPT = 20
+E_OUT_OF_STEP = 21  # the step does not follow the server's; Worker.step(key) is now the server's
 
 RANK_FROM_CONFIG = -1
 WAIT_FOREVER = -1

@@ -574,7 +574,11 @@ class Worker:
         return seq.value
 
     def step(self, key):
-        """The step the next push of `key` will use (0 if not init-ed)."""
+        """The step the next push of `key` will use (0 if not init-ed).
+
+        After an EmberError with code E_OUT_OF_STEP (a server restored from an
+        older checkpoint refused the step), the step that server expects:
+        pull(key) at it and continue from there."""
         s = ctypes.c_uint64()
         _check(lib.ember_step(self._h(), _key(key), ctypes.byref(s)))
         return s.value

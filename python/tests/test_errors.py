@@ -19,6 +19,16 @@ def test_version_and_codes():
     assert ember.error_name(999) == "unknown"
 
 
+def test_out_of_step_code_is_mapped():
+    # A server restored from an older checkpoint refuses a step that does not
+    # follow its own with this code (worker.h, "Out of step").
+    assert ember.E_OUT_OF_STEP == 21
+    assert ember.error_name(ember.E_OUT_OF_STEP) == "out_of_step"
+    assert ember.error_name(ember.E_OUT_OF_STEP + 1) == "unknown"
+    e = ember.EmberError(ember.E_OUT_OF_STEP, "out_of_step: push_pull of key 1 step 8 ...")
+    assert e.code == ember.E_OUT_OF_STEP and e.name == "out_of_step"
+
+
 def test_missing_config_file_is_config_error_naming_the_path():
     with pytest.raises(ember.EmberError) as info:
         ember.Worker("/nonexistent/dir/ember.toml", rank=0)

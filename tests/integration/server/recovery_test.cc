@@ -465,5 +465,196 @@ TEST(ServerRecovery, ResentPushIsAppliedOnce) {
   EXPECT_EQ(p, (std::vector<float>{8, 6}));
 }
 
+// ---- a server restored from a checkpoint older than the workers' step ----
+
+// The server's config file (written by ServerProcess) started again on the
+// same address, so that the workers reconnect to it; EXPECTs its ready line.
+std::unique_ptr<Process> restart_on(const TempDir& dir, const std::string& address,
+                                    const std::string& log_name) {
+  std::vector<std::string> args{"--config", (dir / "server0.toml").string(), "--listen", address,
+                                "--set", "server.server_index=0", "--set",
+                                "server.metrics_listen=127.0.0.1:0"};
+  auto p = std::make_unique<Process>(server_binary(), args, dir / log_name);
+  EXPECT_TRUE(p->wait_line("ember-server ready", 30s))
+      << "ember-server did not come back on " << address << ":\n"
+      << read_file(dir / log_name);
+  return p;
+}
+
+std::size_t count(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// Two workers run to step kCheckpointStep, the server checkpoints, they run
+// three more steps, the server is killed (-9) and restarted on the same
+// address: it restores step kCheckpointStep.
+struct OlderCheckpointScenario {
+  static constexpr std::uint64_t kKey = 5;
+  static constexpr std::uint64_t kCheckpointStep = 2;
+  TempDir dir;
+  ClusterSpec spec;
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<Process> restarted;
+  std::unique_ptr<Worker> w0, w1;
+  std::vector<float> at_checkpoint = std::vector<float>(64);  // w0's parameters at that step
+  std::vector<float> p0 = std::vector<float>(64), p1 = std::vector<float>(64);
+
+  explicit OlderCheckpointScenario(const std::string& consistency) {
+    spec.num_workers = 2;
+    spec.consistency = consistency;
+    spec.staleness = 1;
+    spec.learning_rate = 0.5;
+    spec.checkpoint_dir = (dir / "ckpt").string();
+    spec.request_timeout = "20s";
+  }
+
+  static std::vector<float> grad(std::uint32_t rank, std::uint64_t t) {
+    return gradient(static_cast<int>(t + 100 * rank));
+  }
+
+  // Both workers push_pull step t (w1 issued first, so neither waits on a
+  // request not yet sent). Returns both results.
+  std::pair<Result<std::uint64_t>, Result<std::uint64_t>> step_both() {
+    const std::uint64_t t0 = w0->step(kKey), t1 = w1->step(kKey);
+    const auto g0 = grad(0, t0), g1 = grad(1, t1);  // valid until both are done
+    Handle h1 = w1->push_pull(kKey, g1, p1);
+    auto r0 = w0->push_pull(kKey, g0, p0).wait();
+    auto r1 = h1.wait();
+    return {r0, r1};
+  }
+
+  void run_and_crash() {
+    server = std::make_unique<ServerProcess>(dir, spec, 0);
+    ASSERT_TRUE(server->ok());
+    w0 = connect_worker(spec, server->address(), 0);
+    w1 = connect_worker(spec, server->address(), 1);
+    ASSERT_TRUE(w0 && w1);
+    auto i1 = w1->init(kKey, kShape, {});
+    ASSERT_TRUE(w0->init(kKey, kShape, initial()).wait());
+    ASSERT_TRUE(i1.wait());
+    for (std::uint64_t t = 0; t < kCheckpointStep + 3; ++t) {
+      if (t == kCheckpointStep) {
+        auto seq = w0->checkpoint().wait();
+        ASSERT_TRUE(seq) << seq.error().to_string();
+        at_checkpoint = p0;
+      }
+      auto [r0, r1] = step_both();
+      ASSERT_TRUE(r0) << r0.error().to_string();
+      ASSERT_TRUE(r1) << r1.error().to_string();
+    }
+    ASSERT_EQ(w0->step(kKey), kCheckpointStep + 3);
+    const std::string address = server->address();
+    server->process().signal(SIGKILL);
+    ASSERT_TRUE(server->process().wait_exit());
+    restarted = restart_on(dir, address, "server0-restarted.log");
+    ASSERT_TRUE(restarted->running());
+    EXPECT_NE(read_file(dir / "server0-restarted.log").find("restored checkpoint"),
+              std::string::npos);
+  }
+};
+
+TEST(ServerRecovery, OlderCheckpointRefusesTheWorkersStepAtOnceThenTheyResumeAtIt) {
+  OlderCheckpointScenario s("bsp");
+  ASSERT_NO_FATAL_FAILURE(s.run_and_crash());
+  constexpr std::uint64_t k = OlderCheckpointScenario::kCheckpointStep;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto [r0, r1] = s.step_both();
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(waited, 10s) << "must fail well under request_timeout (20s)";
+  for (const auto* r : {&r0, &r1}) {
+    ASSERT_FALSE(*r);
+    const Error& e = r->error();
+    EXPECT_EQ(e.code(), ErrorCode::kOutOfStep) << e.to_string();
+    EXPECT_NE(e.message().find(fmt::format("push_pull of key 5 step {} to server 0", k + 3)),
+              std::string::npos)
+        << e.message();
+    EXPECT_NE(e.message().find(fmt::format("which is at step {} for that rank", k)),
+              std::string::npos)
+        << e.message();
+    EXPECT_NE(e.message().find(fmt::format("pull key 5 at step {}", k)), std::string::npos)
+        << e.message();
+  }
+  EXPECT_EQ(s.w0->step(5), k);
+  EXPECT_EQ(s.w1->step(5), k);
+  // Pull at the server's step: the checkpoint's parameters, at once.
+  std::vector<float> q0(64), q1(64);
+  auto a0 = s.w0->pull(5, q0).wait();
+  auto a1 = s.w1->pull(5, q1).wait();
+  ASSERT_TRUE(a0) << a0.error().to_string();
+  ASSERT_TRUE(a1) << a1.error().to_string();
+  EXPECT_EQ(*a0, k);
+  EXPECT_TRUE(same_bits(q0, s.at_checkpoint));
+  EXPECT_TRUE(same_bits(q1, s.at_checkpoint));
+  for (std::uint64_t t = k; t < k + 2; ++t) {
+    auto [b0, b1] = s.step_both();
+    ASSERT_TRUE(b0) << b0.error().to_string();
+    ASSERT_TRUE(b1) << b1.error().to_string();
+    EXPECT_EQ(*b0, t + 1);
+    EXPECT_TRUE(same_bits(s.p0, s.p1));
+  }
+  // Logged once per (rank, key) with the peer, however often it recurs.
+  const std::vector<float> g = OlderCheckpointScenario::grad(0, 0);
+  auto again = s.w0->push(5, g, k + 9).wait();
+  ASSERT_FALSE(again);
+  EXPECT_EQ(again.error().code(), ErrorCode::kOutOfStep);
+  EXPECT_EQ(s.w0->step(5), k + 2) << "the server's step for rank 0";
+  const std::string log = read_file(s.dir / "server0-restarted.log");
+  EXPECT_EQ(count(log, "bad request from worker 0 (127.0.0.1"), 1u) << log;
+  EXPECT_EQ(count(log, "bad request from worker 1 (127.0.0.1"), 1u) << log;
+  EXPECT_NE(log.find("see docs/troubleshooting.md#out-of-step"), std::string::npos) << log;
+}
+
+TEST(ServerRecovery, OlderCheckpointUnderAspAcceptsTheWorkersStep) {
+  OlderCheckpointScenario s("asp");
+  ASSERT_NO_FATAL_FAILURE(s.run_and_crash());
+  constexpr std::uint64_t k = OlderCheckpointScenario::kCheckpointStep;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto [r0, r1] = s.step_both();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  ASSERT_TRUE(r0) << r0.error().to_string();
+  ASSERT_TRUE(r1) << r1.error().to_string();
+  // The server's clock for each worker jumped to the worker's step.
+  EXPECT_EQ(*r0, k + 4);
+  EXPECT_EQ(s.w0->step(5), k + 4);
+  EXPECT_EQ(s.w1->step(5), k + 4);
+  auto [b0, b1] = s.step_both();
+  ASSERT_TRUE(b0 && b1);
+  EXPECT_EQ(count(read_file(s.dir / "server0-restarted.log"), "out_of_step"), 0u);
+}
+
+TEST(ServerRecovery, OlderCheckpointUnderSspAcceptsPushesAndRefusesASelfWaitingPull) {
+  OlderCheckpointScenario s("ssp");  // staleness 1
+  ASSERT_NO_FATAL_FAILURE(s.run_and_crash());
+  constexpr std::uint64_t k = OlderCheckpointScenario::kCheckpointStep;
+  // A plain pull of step k + 3 needs worker 0's own clock (k after the
+  // restore) + 1 >= k + 3: it would wait on itself; refused at once.
+  std::vector<float> q(64);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto p = s.w0->pull(5, q).wait();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  ASSERT_FALSE(p);
+  EXPECT_EQ(p.error().code(), ErrorCode::kOutOfStep) << p.error().to_string();
+  EXPECT_EQ(s.w0->step(5), k);
+  // Pushes are accepted whatever their step. Worker 1 (still at k + 3) runs
+  // three steps ahead of worker 0 (back at k): its pull waits within the
+  // staleness bound until worker 0 has caught up, then both go on.
+  const auto g1 = OlderCheckpointScenario::grad(1, k + 3);
+  Handle h1 = s.w1->push_pull(5, g1, s.p1);
+  for (std::uint64_t t = k; t < k + 3; ++t) {
+    const auto g0 = OlderCheckpointScenario::grad(0, t);
+    auto r0 = s.w0->push_pull(5, g0, s.p0).wait();
+    ASSERT_TRUE(r0) << "step " << t << ": " << r0.error().to_string();
+  }
+  auto r1 = h1.wait();
+  ASSERT_TRUE(r1) << r1.error().to_string();
+  EXPECT_EQ(s.w0->step(5), k + 3);
+  EXPECT_EQ(s.w1->step(5), k + 4);
+  auto [b0, b1] = s.step_both();
+  ASSERT_TRUE(b0) << b0.error().to_string();
+  ASSERT_TRUE(b1) << b1.error().to_string();
+}
+
 }  // namespace
 }  // namespace ember::test

@@ -178,6 +178,8 @@ const Quoted kQuoted[] = {
     {"reordered-messages", "server/shard_core.cc", "arrived after that round closed", true},
     {"reordered-messages", "server/shard_core.cc", "steps past the open round", true},
     {"reordered-messages", "server/server.cc", "bad request from worker", false},
+    {"out-of-step", "server/shard_core.cc", "does not follow the server", true},
+    {"out-of-step", "server/server.cc", "bad request from worker", false},
     {"throughput-drops", "common/memory/page_pool.cc", "THP was granted", true},
     {"throughput-drops", "server/shard.cc", "cannot pin to CPU", true},
     {"throughput-drops", "common/transport/io_threads.cc", "could not be pinned to CPU", false},

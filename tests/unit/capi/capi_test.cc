@@ -55,17 +55,20 @@ TEST(CapiInfo, VersionAndAbi) {
 }
 
 TEST(CapiInfo, ErrorNamesMatchErrorCodeAndNoCodeIsMissing) {
-  for (int c = EMBER_OK; c <= EMBER_E_CORRUPT; ++c) {
+  for (int c = EMBER_OK; c <= EMBER_E_OUT_OF_STEP; ++c) {
     EXPECT_EQ(std::string(ember_error_name(c)),
               std::string(ember::error_code_name(static_cast<ember::ErrorCode>(c))))
         << c;
     EXPECT_STRNE(ember_error_name(c), "unknown") << c;
   }
-  // If ember::ErrorCode grows, ember.h must grow with it (EMBER_E_CORRUPT is
-  // the last C code): this fails until it does.
-  EXPECT_EQ(ember::error_code_name(static_cast<ember::ErrorCode>(EMBER_E_CORRUPT + 1)), "unknown");
+  // If ember::ErrorCode grows, ember.h must grow with it (EMBER_E_OUT_OF_STEP
+  // is the last C code): this fails until it does.
+  EXPECT_EQ(ember::error_code_name(static_cast<ember::ErrorCode>(EMBER_E_OUT_OF_STEP + 1)),
+            "unknown");
+  EXPECT_EQ(static_cast<int>(ember::kLastErrorCode), EMBER_E_OUT_OF_STEP);
   EXPECT_STREQ(ember_error_name(EMBER_PENDING), "pending");
-  EXPECT_STREQ(ember_error_name(EMBER_E_CORRUPT + 1), "unknown");
+  EXPECT_STREQ(ember_error_name(EMBER_E_OUT_OF_STEP + 1), "unknown");
+  EXPECT_STREQ(ember_error_name(EMBER_E_OUT_OF_STEP), "out_of_step");
   EXPECT_STREQ(ember_error_name(-2), "unknown");
   EXPECT_STREQ(ember_error_name(EMBER_E_NOT_FOUND), "not_found");
 }

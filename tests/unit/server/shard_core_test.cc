@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <random>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "server/barrier_core.h"
@@ -291,8 +292,12 @@ TEST_F(ShardCoreTest, BspPushTooFarAheadIsRefused) {
   o.max_steps_ahead = 4;
   make(o);
   init(1, {0});
-  push(0, 1, 5, {1});
+  for (std::uint64_t t = 0; t <= 4; ++t) push(0, 1, t, {1});  // rank 0 alone runs ahead
   auto s = sink.take();
+  ASSERT_EQ(s.size(), 5u);
+  for (const auto& x : s) EXPECT_FALSE(x.is_error) << x.error.to_string();
+  push(0, 1, 5, {1});
+  s = sink.take();
   ASSERT_EQ(s.size(), 1u);
   EXPECT_EQ(s[0].error.code(), ErrorCode::kInvalidArgument);
 }
@@ -454,11 +459,11 @@ TEST_F(ShardCoreTest, RankZeroLossFailsWaitingInits) {
 TEST_F(ShardCoreTest, DropConnectionForgetsItsWaiters) {
   make(opts(2));
   init(1, {0});
-  core->on_pull(req(MsgType::kPull, 0, 1, 1, 1, 555), kT0, sink);
+  push(0, 1, 0, {1});
+  core->on_pull(req(MsgType::kPull, 0, 1, 1, 1, 555), kT0, sink);  // waits for rank 1
   EXPECT_EQ(core->stats().parked_requests, 1u);
   core->drop_connection(555);
   EXPECT_EQ(core->stats().parked_requests, 0u);
-  push(0, 1, 0, {1});
   push(1, 1, 0, {1});
   auto s = sink.take();
   EXPECT_EQ(s.size(), 2u);  // acks only
@@ -487,6 +492,178 @@ TEST_F(ShardCoreTest, SnapshotRestoreRoundTripsAndCapsOpenRoundClocks) {
   restored.on_push(req(MsgType::kPush, 0, 1, 1, 2), Payload::of(std::vector<float>{1, 1}), kT0, sink);
   restored.on_push(req(MsgType::kPush, 1, 1, 1, 2), Payload::of(std::vector<float>{1, 1}), kT0, sink);
   EXPECT_EQ(restored.stats().rounds_completed, 1u);
+}
+
+// --- out of step (a rank's step does not follow the server's) ---
+
+void expect_out_of_step(const Sent& x, std::uint64_t asked, std::uint64_t server_step,
+                        std::uint32_t rank, std::uint64_t key) {
+  ASSERT_TRUE(x.is_error);
+  EXPECT_EQ(x.error.code(), ErrorCode::kOutOfStep) << x.error.to_string();
+  EXPECT_EQ(x.header.step, server_step) << "the reply carries the server's step";
+  const std::string& m = x.error.message();
+  EXPECT_NE(m.find(fmt::format("of step {} for key {} chunk 0", asked, key)), std::string::npos) << m;
+  EXPECT_NE(m.find(fmt::format("from rank {}", rank)), std::string::npos) << m;
+  EXPECT_NE(m.find(fmt::format("at step {} for that rank", server_step)), std::string::npos) << m;
+  EXPECT_NE(m.find(fmt::format("pull key {} at step {}", key, server_step)), std::string::npos) << m;
+  EXPECT_NE(m.find("see docs/troubleshooting.md#out-of-step"), std::string::npos) << m;
+}
+
+TEST_F(ShardCoreTest, BspPushThatSkipsStepsIsOutOfStepAndRecordsNothing) {
+  make(opts(2));
+  init(1, {0});
+  push(0, 1, 0, {1});
+  push(0, 1, 3, {1});  // rank 0 expected at step 1
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_FALSE(s[0].is_error);
+  expect_out_of_step(s[1], 3, 1, 0, 1);
+  EXPECT_EQ(s[1].header.request_id, req(MsgType::kPush, 0, 1, 3, 1).header.request_id);
+  // Nothing of step 3 was kept: the round of step 0 completes, and rank 0
+  // continues at step 1 as told.
+  push(1, 1, 0, {1});
+  push(0, 1, 1, {2});
+  push(1, 1, 1, {2});
+  s = sink.take();
+  ASSERT_EQ(s.size(), 3u);
+  for (const auto& x : s) EXPECT_FALSE(x.is_error) << x.error.to_string();
+  EXPECT_EQ(core->stats().rounds_completed, 2u);
+  EXPECT_EQ(params(1, 1), std::vector<float>{-3});
+}
+
+TEST_F(ShardCoreTest, BspGapIsMeasuredFromTheVersionForARankThatWasExcluded) {
+  make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  init(1, {0});
+  core->on_worker_lost(1, kT0, sink);
+  push(0, 1, 0, {1});
+  push(0, 1, 1, {1});  // rounds 0 and 1 complete without rank 1 (clock 0)
+  core->on_worker_back(1, kT0, sink);
+  sink.take();
+  push(1, 1, 2, {1});  // a rejoined worker resumes at the version: accepted
+  push(1, 1, 4, {1});  // but not past it
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_FALSE(s[0].is_error) << s[0].error.to_string();
+  expect_out_of_step(s[1], 4, 3, 1, 1);
+}
+
+// The scenario in the core: a checkpoint at step 2, the workers reach
+// step 5, the server restarts from the checkpoint. Without the check the
+// pushes of step 5 were held for a round that needs step 2 from everyone.
+TEST_F(ShardCoreTest, BspRestoredFromOlderSnapshotRefusesThenResumesAtItsStep) {
+  make(opts(2));
+  init(1, {1, 2});
+  for (std::uint64_t t = 0; t < 2; ++t) {
+    for (std::uint32_t r = 0; r < 2; ++r) push(r, 1, t, {1, 1});
+  }
+  auto snap = core->snapshot();
+  ASSERT_EQ(snap[0].version, 2u);
+  ShardCore restored(opts(2), sgd());
+  ASSERT_TRUE(restored.restore(snap[0]));
+  sink.take();
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    restored.on_push_pull(req(MsgType::kPushPull, r, 1, 5, 2),
+                          Payload::of(std::vector<float>{1, 1}), kT0, sink);
+  }
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u) << "refused at once, nothing parked";
+  expect_out_of_step(s[0], 5, 2, 0, 1);
+  expect_out_of_step(s[1], 5, 2, 1, 1);
+  EXPECT_EQ(restored.stats().parked_requests, 0u);
+  // A pull of step 5 would wait on the rank itself: refused too.
+  restored.on_pull(req(MsgType::kPull, 0, 1, 5, 2), kT0, sink);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  expect_out_of_step(s[0], 5, 2, 0, 1);
+  // Pull at the server's step is answered at once; push_pull from there completes.
+  restored.on_pull(req(MsgType::kPull, 0, 1, 2, 2), kT0, sink);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_FALSE(s[0].is_error);
+  EXPECT_EQ(s[0].values, (std::vector<float>{-1, 0}));
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    restored.on_push_pull(req(MsgType::kPushPull, r, 1, 2, 2),
+                          Payload::of(std::vector<float>{1, 1}), kT0, sink);
+  }
+  s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  for (const auto& x : s) {
+    EXPECT_FALSE(x.is_error) << x.error.to_string();
+    EXPECT_EQ(x.header.step, 3u);
+    EXPECT_EQ(x.values, (std::vector<float>{-2, -1}));
+  }
+}
+
+TEST_F(ShardCoreTest, BspPullOfTheNextStepAfterItsOwnPushStillWaits) {
+  make(opts(2));
+  init(1, {0});
+  push(0, 1, 0, {1});
+  pull(0, 1, 1, 1);  // needs rank 1's push of 0 only: parks
+  pull(1, 1, 1, 1);  // rank 1 has not pushed step 0, which it must send first: refused
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_FALSE(s[0].is_error);
+  expect_out_of_step(s[1], 1, 0, 1, 1);
+  EXPECT_EQ(core->stats().parked_requests, 1u);
+  push(1, 1, 0, {3});
+  s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_EQ(s[1].values, std::vector<float>{-2});
+}
+
+TEST_F(ShardCoreTest, BspPullOfAnExcludedRankIsNotRefused) {
+  make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  init(1, {0});
+  core->on_worker_lost(1, kT0, sink);
+  pull(1, 1, 1, 1);  // rank 1 is excluded: rank 0's push alone serves it
+  EXPECT_TRUE(sink.take().empty());
+  push(0, 1, 0, {1});
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_FALSE(s[1].is_error);
+}
+
+TEST_F(ShardCoreTest, AspGapIsAcceptedAndMovesTheClock) {
+  make(opts(2, proto::Consistency::kAsp));
+  init(1, {0});
+  push(0, 1, 0, {1});
+  push(0, 1, 7, {1});  // skipped steps 1..6: applied, clock 8
+  pull(0, 1, 8, 1);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 3u);
+  for (const auto& x : s) EXPECT_FALSE(x.is_error) << x.error.to_string();
+  EXPECT_EQ(s[2].header.step, 8u);
+  EXPECT_EQ(s[2].values, std::vector<float>{-2});
+  push(0, 1, 5, {1});  // below the clock now: a duplicate
+  EXPECT_EQ(core->stats().pushes_duplicate, 1u);
+}
+
+TEST_F(ShardCoreTest, SspGapIsAcceptedButAPullWaitingOnItselfIsOutOfStep) {
+  auto o = opts(2, proto::Consistency::kSsp);
+  o.staleness = 1;
+  make(o);
+  init(1, {0});
+  // Rank 0's clock is 0: a pull of step 3 needs its own clock >= 2.
+  pull(0, 1, 3, 1);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  expect_out_of_step(s[0], 3, 0, 0, 1);
+  // A push with a gap is applied and moves the clock to 3.
+  push(0, 1, 2, {1});
+  pull(0, 1, 3, 1);  // now waits for rank 1 (clock 0 + 1 < 3), not on itself
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_FALSE(s[0].is_error);
+  EXPECT_EQ(core->stats().parked_requests, 1u);
+  // A push_pull of the gap step from rank 1 serves both: no hang.
+  core->on_push_pull(req(MsgType::kPushPull, 1, 1, 2, 1), Payload::of(std::vector<float>{1}), kT0,
+                     sink);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 2u);
+  for (const auto& x : s) {
+    EXPECT_FALSE(x.is_error) << x.error.to_string();
+    EXPECT_EQ(x.values, std::vector<float>{-2});
+  }
 }
 
 TEST_F(ShardCoreTest, RestoreRefusesStateOfAnotherOptimizer) {
