@@ -197,6 +197,13 @@ struct ServerLink {
   // Jobs queued or running. Written under resend_mutex; the senders' fast-path
   // load (acquire) pairs with those writes (release).
   std::atomic<std::uint32_t> resends_queued{0};
+  // The newest connection generation whose on_closed has run (its requests
+  // are taken and their re-send queued). Guarded by resend_mutex; waited on
+  // with resend_cv. A connection reports is_closed() before its on_closed
+  // runs: a sender that found it closed waits for this before reconnecting,
+  // so that the lost requests are re-sent before its newer one (per key,
+  // the server refuses a step that overtakes an earlier one: kOutOfStep).
+  std::uint64_t announced_gen = 0;
   // Generation of a connection this side closed because the server broke
   // the protocol: its requests are not re-sent (0: none).
   std::atomic<std::uint64_t> poisoned_gen{0};
@@ -316,7 +323,14 @@ struct Worker::Impl {
   Status init(const config::Config& cfg);
   Result<std::shared_ptr<transport::Connection>> connect(ServerLink& link, std::uint64_t gen);
   Status join(ServerLink& link);
-  Result<std::shared_ptr<transport::Connection>> connection(ServerLink& link, std::uint64_t& gen);
+  // The link's open connection, reconnecting (and joining) when it is
+  // closed. `after_resends`: a sender other than the re-sender; when the
+  // connection was lost, it first waits (bounded by request_timeout) for the
+  // loss to be announced (on_closed) and for the re-sends it queued.
+  Result<std::shared_ptr<transport::Connection>> connection(ServerLink& link, std::uint64_t& gen,
+                                                            bool after_resends = false);
+  // Waits (bounded by request_timeout) until on_closed of generation `gen` has run.
+  void wait_announced(ServerLink& link, std::uint64_t gen);
 
   // ---- I/O callbacks ----
   // Per connection: a reply header whose payload is the next message on its
@@ -484,12 +498,32 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   return tl::unexpected(last);
 }
 
+void Worker::Impl::wait_announced(ServerLink& link, std::uint64_t gen) {
+  std::unique_lock lock(link.resend_mutex);
+  link.resend_cv.wait_for(lock, config.worker.request_timeout,
+                          [&] { return closing.load() || link.announced_gen >= gen; });
+}
+
 Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLink& link,
-                                                                       std::uint64_t& gen) {
+                                                                       std::uint64_t& gen,
+                                                                       bool after_resends) {
   std::unique_lock lock(link.mutex);
   if (link.conn && !link.conn->is_closed()) {
     gen = link.gen;
     return link.conn;
+  }
+  if (after_resends && link.conn) {
+    // Lost: its requests go first (on_closed queues them; the re-sender
+    // reconnects). Then use whatever connection is open.
+    const std::uint64_t lost_gen = link.gen;
+    lock.unlock();
+    wait_announced(link, lost_gen);
+    wait_for_resends(link);
+    lock.lock();
+    if (link.conn && !link.conn->is_closed()) {
+      gen = link.gen;
+      return link.conn;
+    }
   }
   const std::uint64_t new_gen = link.gen + 1;
   EMBER_ASSIGN_OR_RETURN(auto conn, connect(link, new_gen));
@@ -599,6 +633,19 @@ void Worker::Impl::timer_loop() {
 
 void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason) {
   ServerLink& link = *servers[server];
+  // On every return: the loss of `gen` is announced (after its re-send job,
+  // if any, was queued).
+  struct Announce {
+    ServerLink& link;
+    std::uint64_t gen;
+    ~Announce() {
+      {
+        std::lock_guard lock(link.resend_mutex);
+        link.announced_gen = std::max(link.announced_gen, gen);
+      }
+      link.resend_cv.notify_all();
+    }
+  } announce{link, gen};
   auto lost = pending.take_connection(server, gen);
   const std::uint32_t max_resends = config.worker.resend_attempts;
   const bool resend = !lost.empty() && can_resend(link, gen, reason);
@@ -917,7 +964,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
     wait_for_resends(link);
   }
   std::uint64_t gen = 0;
-  auto conn = connection(link, gen);
+  auto conn = connection(link, gen, !resending);
   if (!conn) {
     o.op->fail(conn.error());
     return;
@@ -939,7 +986,9 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   auto fail = [&](Error e, bool lost_completion) {
     if (e.code() == ErrorCode::kClosed && can_resend(link, gen, e)) {
       // The connection closed under this send: re-send it like the requests
-      // on_closed finds, unless on_closed took it already (then it did).
+      // on_closed finds, unless on_closed took it already (then it did). Once
+      // on_closed has run, its job (earlier requests) is queued before this one.
+      wait_announced(link, gen);
       auto req = pending.take(id);
       if (!req) return;
       if (lost_completion) o.op->complete_part(std::nullopt);

@@ -252,8 +252,10 @@ TEST(WorkerResend, ResendToAServerThatKeptItsStateIsDeduplicated) {
                                                     fmt::join(expect, ","));
 }
 
-// One worker whose pull of step 1 waits (nobody pushes step 0) when the
-// server is killed.
+// Worker 0 of a two-worker job pushes step 0 and pulls step 1, which waits
+// for worker 1's push of step 0 (worker 1 never comes) when the server is
+// killed. (A pull of step 1 without its own push of step 0 would wait on
+// itself: the server refuses it at once with kOutOfStep.)
 struct PendingPull {
   TempDir dir;
   ClusterSpec spec;
@@ -264,6 +266,7 @@ struct PendingPull {
   using Settings = std::vector<std::pair<std::string, std::string>>;
   explicit PendingPull(const Settings& set,
                        const std::string& request_timeout = "20s") {
+    spec.num_workers = 2;
     spec.request_timeout = request_timeout;
     server = std::make_unique<ServerProcess>(dir, spec, 0);
     if (!server->ok()) return;
@@ -271,6 +274,8 @@ struct PendingPull {
     if (!worker) return;
     auto r = worker->init(kKey, kShape, initial()).wait();
     EXPECT_TRUE(r) << r.error().to_string();
+    auto p = worker->push(kKey, gradient(0, 0)).wait();
+    EXPECT_TRUE(p) << p.error().to_string();
   }
   Handle pull_step_1() { return worker->pull(kKey, out, 1); }
 };
