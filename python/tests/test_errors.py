@@ -2,12 +2,16 @@
 server, wrong keys and sizes, bad arguments — each an exception with Ember's
 code and message, never a crash."""
 
+import os
 import socket
+import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
 
+import conftest
 import ember
 
 
@@ -185,3 +189,69 @@ def test_library_not_found_is_a_clear_import_error(tmp_path):
     assert "cannot load libember.so" in out.stderr
     assert str(tmp_path / "libember.so.0") in out.stderr
     assert "EMBER_LIB" in out.stderr
+
+
+class _ServerAt(conftest.ServerProcess):
+    """ember-server on a given --listen address (to restart it on the same
+    one), with extra --set overrides; log in <directory>/<name>.log."""
+
+    def __init__(self, directory, name, config_path, listen, sets):
+        self.dir = directory
+        self.log_path = os.path.join(directory, name + ".log")
+        self._log = open(self.log_path, "wb")
+        args = [conftest.server_binary(), "--config", config_path, "--listen", listen]
+        for s in sets:
+            args += ["--set", s]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log)
+        line = self._wait_line("ember-server ready", 30.0)
+        if line is None:
+            self.stop()
+            pytest.fail("ember-server did not come up; its log:\n" + self.log())
+        self.address = line.split("listen=", 1)[1].split()[0]
+
+
+def test_server_restored_from_an_older_checkpoint_raises_out_of_step(tmp_path):
+    # kill -9 after the workers went past the newest checkpoint: the restarted
+    # server refuses their step at once (not after request_timeout), and
+    # Worker.step(key) is then the server's step, from which the job goes on.
+    d = str(tmp_path)
+    server_cfg = os.path.join(d, "server.toml")
+    with open(server_cfg, "w") as f:
+        f.write(conftest.cluster_toml(["127.0.0.1:1"], learning_rate=0.5))
+    sets = ["server.server_index=0", "server.checkpoint_dir=" + os.path.join(d, "ckpt")]
+    servers = [_ServerAt(d, "first", server_cfg, "127.0.0.1:0", sets)]
+    try:
+        address = servers[0].address
+        worker_cfg = os.path.join(d, "worker.toml")
+        with open(worker_cfg, "w") as f:
+            f.write(conftest.cluster_toml([address], learning_rate=0.5))
+        with ember.Worker(worker_cfg, rank=0) as w:
+            w.init(3, values=np.zeros(4, np.float32))
+            g = np.ones(4, np.float32)
+            for _ in range(2):
+                w.push_pull(3, g)
+            w.checkpoint()
+            at_checkpoint = w.pull(3)
+            for _ in range(3):
+                w.push_pull(3, g)
+            assert w.step(3) == 5
+            servers[0].kill()
+            servers.append(_ServerAt(d, "restarted", server_cfg, address, sets))
+            start = time.monotonic()
+            with pytest.raises(ember.EmberError) as info:
+                w.push_pull(3, g)
+            assert time.monotonic() - start < 10.0  # request_timeout is 20s
+            e = info.value
+            assert e.code == ember.E_OUT_OF_STEP
+            assert e.name == "out_of_step"
+            assert "push_pull of key 3 step 5" in e.message
+            assert "which is at step 2 for that rank" in e.message
+            assert w.step(3) == 2
+            np.testing.assert_array_equal(w.pull(3), at_checkpoint)
+            after = w.push_pull(3, g)
+            assert w.step(3) == 3
+            np.testing.assert_array_equal(after, at_checkpoint - 0.5 * g)
+        assert "out_of_step" in servers[1].log()
+    finally:
+        for s in servers:
+            s.stop()
