@@ -50,18 +50,21 @@
 //    restored an older checkpoint after a crash, or the worker lost track):
 //    round e needs r's push of e, which will never come, so every later round
 //    and every pull would wait until the worker's request_timeout;
-//  - a bsp pull of step t > e (and > version) can only be served by r's own
-//    pushes of steps e .. t-1, which, given the order, were never sent: it
-//    would wait on itself;
+//  - a bsp pull of step t > e can only be served by r's own pushes of steps
+//    e .. t-1, which, given the order, were never sent: it would wait on
+//    itself;
 //  - an ssp pull of step t with clock[r] + staleness < t waits on r's own
 //    clock the same way (e = clock[r]).
 // All three are refused at once with kOutOfStep. The error reply's step is
 // e, the step the worker must continue from (the worker sets its step(key)
 // to it); the message names key, chunk, rank, the step asked and e, and says
-// to pull at e. The server logs the first refusal per (rank, key, chunk),
-// with the peer (server.cc, ReplySink::error). A pull that a caller issues, with an explicit
-// step, before issuing its own pushes of the steps below is therefore refused
-// too (worker.h says so); a pull never overtakes an earlier push of its key.
+// to pull at e (after a restore e is the version: clocks are saved capped at
+// it). The server logs the first refusal per (rank, key, chunk), with the
+// peer (server.cc, ReplySink::error). A pull that a caller issues, with an
+// explicit step, before its own pushes of the steps below is therefore
+// refused too (worker.h says so); a pull never overtakes an earlier push of
+// its key. An excluded rank (shrink) is never refused: rounds do not wait
+// for it, and on its return its pushes are measured from the version.
 // asp and ssp pushes are never refused for a gap: they are applied on
 // arrival and move the rank's clock to t + 1, so nothing waits on the
 // skipped steps (asp pulls never wait; ssp pulls wait on clocks, which a gap

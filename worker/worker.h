@@ -62,8 +62,9 @@
 // key, chunk and step — the server applies a re-sent push once (it
 // deduplicates by worker, key and step; a server restored from a checkpoint
 // takes it as new when the step follows the checkpoint's, and refuses it
-// with kOutOfStep when the checkpoint is older: see "Out of step"). Each request is re-sent at most [worker]
-// resend_attempts times (a failed reconnect counts), and its operation
+// with kOutOfStep when the checkpoint is older: see "Out of step"). Each
+// request is re-sent at most [worker] resend_attempts times (a failed
+// reconnect counts), and its operation
 // still fails at request_timeout (kTimeout, naming the server and the
 // attempt). While re-sends for a server are queued, new requests to it wait
 // (at most request_timeout) so they do not overtake them. Not re-sent:

@@ -502,10 +502,12 @@ void expect_out_of_step(const Sent& x, std::uint64_t asked, std::uint64_t server
   EXPECT_EQ(x.error.code(), ErrorCode::kOutOfStep) << x.error.to_string();
   EXPECT_EQ(x.header.step, server_step) << "the reply carries the server's step";
   const std::string& m = x.error.message();
-  EXPECT_NE(m.find(fmt::format("of step {} for key {} chunk 0", asked, key)), std::string::npos) << m;
+  EXPECT_NE(m.find(fmt::format("of step {} for key {} chunk 0", asked, key)), std::string::npos)
+      << m;
   EXPECT_NE(m.find(fmt::format("from rank {}", rank)), std::string::npos) << m;
   EXPECT_NE(m.find(fmt::format("at step {} for that rank", server_step)), std::string::npos) << m;
-  EXPECT_NE(m.find(fmt::format("pull key {} at step {}", key, server_step)), std::string::npos) << m;
+  EXPECT_NE(m.find(fmt::format("pull key {} at step {}", key, server_step)), std::string::npos)
+      << m;
   EXPECT_NE(m.find("see docs/troubleshooting.md#out-of-step"), std::string::npos) << m;
 }
 
