@@ -54,7 +54,7 @@ TEST(Error, WithContextPrefixesAndKeepsCode) {
 }
 
 TEST(Error, EveryCodeHasAName) {
-  for (int c = 0; c <= static_cast<int>(ErrorCode::kCorrupt); ++c) {
+  for (int c = 0; c <= static_cast<int>(kLastErrorCode); ++c) {
     EXPECT_NE(error_code_name(static_cast<ErrorCode>(c)), "unknown") << c;
   }
 }
