@@ -372,12 +372,7 @@ Status Server::Impl::init(const config::Config& cfg) {
     }
     so.ring_slots = 1024;
     so.max_producers = config.communication.num_io_threads + 16;
-    // Shard threads poll under the same rule as the I/O threads
-    // (proto::transport_options): only when the CPUs allow it.
-    so.busy_poll = proto::effective_busy_poll(
-        config.communication.busy_poll, config.communication.num_io_threads,
-        !config.communication.cpu_affinity.empty() || !sc.shard_cpu_affinity.empty(),
-        sc.num_shards, proto::allowed_cpu_count());
+    so.busy_poll = config.communication.busy_poll;
     ShardHooks hooks;
     hooks.sink = this;
     hooks.on_handled = [this](proto::MsgType type, std::chrono::nanoseconds latency) {
@@ -405,7 +400,7 @@ Status Server::Impl::init(const config::Config& cfg) {
   for (auto& s : shards) s->start();
 
   // Transport and listener.
-  EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config, config.server.num_shards));
+  EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config));
   topts.receive_allocator = [this](std::uint64_t size) -> Result<transport::Buffer> {
     return proto::pool_receive_allocator(*pool, region_id.load(std::memory_order_acquire))(size);
   };

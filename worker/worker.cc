@@ -231,7 +231,6 @@ struct Worker::Impl {
   std::atomic<std::uint32_t> region_id{transport::MemoryLocation::kNoRegion};
   transport::Kind kind = transport::Kind::kTcp;
   std::uint32_t num_channels = 1;
-  std::chrono::nanoseconds wait_busy_poll{0};  // proto::transport_options busy_poll
   std::uint64_t small_limit = 0;
   std::unique_ptr<transport::Transport> transport;
   std::vector<std::unique_ptr<ServerLink>> servers;
@@ -399,8 +398,6 @@ Status Worker::Impl::init(const config::Config& cfg) {
   EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config));
   kind = topts.kind;
   num_channels = topts.num_channels;
-  // Handle::wait polls under the same rule as the I/O threads.
-  wait_busy_poll = topts.busy_poll;
   EMBER_ASSIGN_OR_RETURN(recorder, record::Recorder::from_config(config, "worker",
                                                                  config.worker.rank, num_channels));
   if (recorder) {
@@ -586,7 +583,7 @@ Status Worker::Impl::join(ServerLink& link) {
 std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts, std::string what) {
   auto op = std::make_shared<Op>(parts);
   op->what = std::move(what);
-  op->busy_poll = wait_busy_poll;
+  op->busy_poll = config.communication.busy_poll;
   bool earliest = false;
   {
     std::lock_guard lock(timer_mutex);

@@ -1,10 +1,6 @@
 // Data-path glue shared by server and worker; see runtime.h.
 #include "common/proto/runtime.h"
 
-#include <sched.h>
-
-#include <mutex>
-
 #include "common/base/logging.h"
 #include "common/transport/options_from_config.h"
 
@@ -31,24 +27,7 @@ bool is_loopback(const std::string& host) {
 
 }  // namespace
 
-std::uint32_t allowed_cpu_count() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 0;  // > CPU_SETSIZE CPUs: no limit
-  return static_cast<std::uint32_t>(CPU_COUNT(&set));
-}
-
-std::chrono::nanoseconds effective_busy_poll(std::chrono::nanoseconds configured,
-                                             std::uint32_t io_threads, bool io_threads_pinned,
-                                             std::uint32_t other_busy_threads,
-                                             std::uint32_t allowed_cpus) {
-  if (configured.count() <= 0 || io_threads_pinned || allowed_cpus == 0) return configured;
-  if (allowed_cpus >= io_threads + other_busy_threads) return configured;
-  return std::chrono::nanoseconds{0};
-}
-
-Result<transport::Options> transport_options(const config::Config& config,
-                                             std::uint32_t other_busy_threads) {
+Result<transport::Options> transport_options(const config::Config& config) {
   // The [communication] mapping is transport::options_from_config's; the job
   // adds where the servers are (auto) and the worker's connect timeout.
   bool all_local = true;
@@ -56,23 +35,6 @@ Result<transport::Options> transport_options(const config::Config& config,
   EMBER_ASSIGN_OR_RETURN(transport::Options o,
                          transport::options_from_config(config.communication, all_local));
   o.connect_timeout = config.worker.connect_timeout;
-  const auto& comm = config.communication;
-  const std::uint32_t cpus = allowed_cpu_count();
-  o.busy_poll = effective_busy_poll(comm.busy_poll, comm.num_io_threads, !comm.cpu_affinity.empty(),
-                                    other_busy_threads, cpus);
-  if (o.busy_poll != comm.busy_poll) {
-    static std::once_flag logged;
-    std::call_once(logged, [&] {
-      log::logger("transport")
-          ->info("busy polling off ([communication] busy_poll = {} us configured): this process "
-                 "may run on {} CPU(s), fewer than its {} I/O thread(s) plus {} computing "
-                 "thread(s), so a polling I/O thread would take the CPU from them; give the "
-                 "process more CPUs or pin the I/O threads ([communication] cpu_affinity) to keep "
-                 "polling",
-                 std::chrono::duration_cast<std::chrono::microseconds>(comm.busy_poll).count(),
-                 cpus, comm.num_io_threads, other_busy_threads);
-    });
-  }
   return o;
 }
 

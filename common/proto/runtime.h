@@ -7,7 +7,6 @@
 // thread-safe to use and release from any thread (the pool's are).
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -25,29 +24,7 @@ namespace ember::proto {
 // batching, channels (resolved_num_channels), I/O threads and their CPUs,
 // heartbeats, sizes, auth token. `connect_timeout` comes from [worker].
 // "rdma" without a device fails later, in Transport::create (kUnavailable).
-//
-// busy_poll is the configured value, except that it is 0 (the I/O threads
-// sleep at once) when [communication] cpu_affinity is empty and this
-// process's CPU affinity mask has fewer CPUs than the I/O threads plus
-// `other_busy_threads` (the threads that compute beside them: a worker's
-// training thread, a server's shard threads): a polling thread that shares a
-// CPU with a thread that has work takes the CPU from it (measured: a worker
-// pinned to one core by scripts/launch_workers.sh trained 1.4-1.6x slower
-// per epoch with polling on; bench/train). The decision is logged once per
-// process. Polling pays on dedicated CPUs, as Linux SO_BUSY_POLL does.
-[[nodiscard]] Result<transport::Options> transport_options(const config::Config& config,
-                                                           std::uint32_t other_busy_threads = 1);
-
-// The busy_poll transport_options applies (see there): `configured`, or 0
-// when `allowed_cpus` < io_threads + other_busy_threads and the I/O threads
-// are not pinned. `allowed_cpus` 0 means unknown (no limit).
-std::chrono::nanoseconds effective_busy_poll(std::chrono::nanoseconds configured,
-                                             std::uint32_t io_threads, bool io_threads_pinned,
-                                             std::uint32_t other_busy_threads,
-                                             std::uint32_t allowed_cpus);
-
-// CPUs in this process's affinity mask (sched_getaffinity); 0 when unknown.
-std::uint32_t allowed_cpu_count();
+[[nodiscard]] Result<transport::Options> transport_options(const config::Config& config);
 
 // The page pool of [communication] (prealloc_pages, pool_backing), named
 // `name` in logs; pool_backing = "auto" with zero_copy = "sendfile" skips
