@@ -777,10 +777,14 @@ void Channel::start() {
   started_ = true;
   doorbell_ = std::make_unique<Descriptor>(ctx_, doorbell_fd_);
   flush_timer_ = std::make_unique<asio::steady_timer>(ctx_);
+  bool armed = false;
   {
     std::lock_guard lock(mu_);
-    if (flush_timer_armed_) arm_flush_timer();
+    armed = flush_timer_armed_;  // a send came before start()
   }
+  // Outside mu_: with flush_interval = 0 arm_flush_timer() publishes at once,
+  // which takes mu_ (holding it here deadlocked the I/O thread).
+  if (armed) arm_flush_timer();
   run();
 }
 

@@ -416,10 +416,14 @@ void Channel::start() {
   last_tx_ns_.store(last_rx_ns_, std::memory_order_relaxed);
   flush_timer_ = std::make_unique<asio::steady_timer>(ctx_);
   heartbeat_timer_ = std::make_unique<asio::steady_timer>(ctx_);
+  bool armed = false;
   {
     std::lock_guard lock(mu_);
-    if (flush_timer_armed_) arm_flush_timer();  // a send came before start()
+    armed = flush_timer_armed_;  // a send came before start()
   }
+  // Outside mu_: with flush_interval = 0 arm_flush_timer() flushes at once,
+  // which takes mu_ (holding it here deadlocked the I/O thread).
+  if (armed) arm_flush_timer();
   on_heartbeat_timer();  // arms the periodic check (sends nothing yet)
   on_readable();
 }

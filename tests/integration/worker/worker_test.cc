@@ -5,6 +5,8 @@
 // pool buffers.
 #include "worker/worker.h"
 
+#include <unistd.h>
+
 #include <future>
 #include <thread>
 
@@ -248,6 +250,42 @@ TEST(WorkerClient, SetLearningRateAppliesToLaterSteps) {
   ASSERT_TRUE(w->set_learning_rate(0.25).wait());
   ASSERT_TRUE(w->push_pull(1, g, out).wait());  // lr 0.25
   EXPECT_EQ(out, (std::vector<float>{-0.25f, 0.75f, 1.75f, 2.75f}));
+}
+
+// flush_interval = "0s" (send at once) is a valid setting: the tcp channel's
+// start() used to flush the join, sent before it, while holding the lock the
+// flush takes, and the worker hung in create.
+TEST(WorkerClient, ZeroFlushIntervalWorksOnEveryTransport) {
+  for (const char* transport : {"tcp", "shm"}) {
+    SCOPED_TRACE(transport);
+    config::Config c = base_config(1);
+    c.communication.flush_interval = 0ns;
+    c.communication.transport =
+        std::string(transport) == "tcp" ? config::Transport::kTcp : config::Transport::kShm;
+    // shm names its listener after the configured address (server->address()
+    // is the socket name), so it gets a port unique to this process.
+    const std::string listen = fmt::format("127.0.0.1:{}", 20000 + ::getpid() % 40000);
+    ASSERT_TRUE(config::set_listen(c, listen));
+    const std::string servers[] = {listen};
+    ASSERT_TRUE(config::set_servers(c, servers));
+    if (std::string(transport) == "tcp") {
+      ASSERT_TRUE(config::set_listen(c, "127.0.0.1:0"));
+    }
+    auto srv = server::Server::create(c);
+    ASSERT_TRUE(srv) << srv.error().to_string();
+    if (std::string(transport) == "tcp") {
+      const std::string actual[] = {(*srv)->address()};
+      ASSERT_TRUE(config::set_servers(c, actual));
+    }
+    auto created = Worker::create(c);
+    ASSERT_TRUE(created) << created.error().to_string();
+    auto& w = *created;
+    ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+    std::vector<float> out(4);
+    const std::vector<float> g(4, 1.0f);
+    for (int step = 0; step < 3; ++step) ASSERT_TRUE(w->push_pull(1, g, out).wait());
+    EXPECT_EQ(out, (std::vector<float>{-2, -1, 0, 1}));
+  }
 }
 
 TEST(WorkerClient, AsioCompletionTokens) {
