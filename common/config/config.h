@@ -134,8 +134,9 @@ struct CommunicationConfig {
   // batch_threshold: small messages are packed into batches of at most this
   // many bytes; larger messages go alone. 512 B .. 1 MiB.
   std::uint64_t batch_threshold_bytes = 4096;
-  // flush_interval: a partly filled batch is sent after this long. 0 .. 1 s.
-  std::chrono::nanoseconds flush_interval{std::chrono::microseconds(20)};
+  // flush_interval: a partly filled batch is sent after this long; 0 = as
+  // soon as the I/O thread gets to it (see config/ember.toml). 0 .. 1 s.
+  std::chrono::nanoseconds flush_interval{0};
   // busy_poll: after its last event, an I/O thread, a shard thread and a
   // worker waiting on a Handle keep polling (with sched_yield()) this long
   // before they sleep; 0 = sleep at once. 0 .. 10 ms. See

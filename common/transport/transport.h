@@ -110,7 +110,7 @@ struct Options {
   // A non-empty open batch is sent at most this long after its first message
   // was added, or as soon as it is full, whichever is first. Zero: a batch is
   // sent as soon as the I/O thread gets to it (several may share a write).
-  std::chrono::nanoseconds flush_interval = std::chrono::microseconds(20);
+  std::chrono::nanoseconds flush_interval{0};
   // false: every small message is its own frame and its own write system call
   // (the "batching off" baseline of the benchmark; never useful in production).
   bool batching = true;

@@ -61,7 +61,7 @@ TEST(ConfigDefaults, EmptyTextGivesDefaults) {
   EXPECT_EQ(c, Config{});
   EXPECT_EQ(c.communication.transport, Transport::kTcp);
   EXPECT_EQ(c.communication.batch_threshold_bytes, 4096u);
-  EXPECT_EQ(c.communication.flush_interval, 20us);
+  EXPECT_EQ(c.communication.flush_interval, 0us);
   EXPECT_EQ(c.communication.ring_buffer_slots, 1024u);
   EXPECT_EQ(c.communication.prealloc_pages, 128u);
   EXPECT_EQ(c.communication.pool_backing, PoolBacking::kAuto);
@@ -401,7 +401,7 @@ TEST(ConfigErrors, BadUnits) {
                     HasSubstr("KB")));
   EXPECT_THAT(parse_error("[communication]\nflush_interval = 20\n"),
               HasSubstr("cfg.toml:2: key 'communication.flush_interval': integer 20 has no unit; "
-                        "write a string with a unit: ns, us, ms, s, m or h (e.g. \"20us\")"));
+                        "write a string with a unit: ns, us, ms, s, m or h (e.g. \"0s\")"));
   EXPECT_THAT(parse_error("[communication]\nflush_interval = \"20\"\n"),
               HasSubstr("cfg.toml:2: key 'communication.flush_interval': duration '20' needs a "
                         "unit"));
@@ -633,7 +633,7 @@ TEST(ConfigToml, DefaultsRoundTrip) {
   ASSERT_TRUE(back) << back.error().message() << "\n" << text;
   EXPECT_EQ(*back, Config{});
   EXPECT_THAT(text, HasSubstr("batch_threshold = \"4KB\""));
-  EXPECT_THAT(text, HasSubstr("flush_interval = \"20us\""));
+  EXPECT_THAT(text, HasSubstr("flush_interval = \"0s\""));
   EXPECT_THAT(text, HasSubstr("max_message_size = \"256MB\""));
   EXPECT_THAT(text, HasSubstr("servers = [\"127.0.0.1:7070\"]"));
   EXPECT_THAT(text, HasSubstr("epsilon = 1e-08"));
