@@ -238,4 +238,16 @@ std::string http_request(const std::string& address, const std::string& method,
   return out;
 }
 
+std::unique_ptr<Process> restart_server(const TempDir& dir, const std::string& address,
+                                        const std::string& log_name) {
+  std::vector<std::string> args{"--config", (dir / "server0.toml").string(), "--listen", address,
+                                "--set", "server.server_index=0", "--set",
+                                "server.metrics_listen=127.0.0.1:0"};
+  auto p = std::make_unique<Process>(server_binary(), args, dir / log_name);
+  EXPECT_TRUE(p->wait_line("ember-server ready", 30s))
+      << "ember-server did not come back on " << address << ":\n"
+      << read_file(dir / log_name);
+  return p;
+}
+
 }  // namespace ember::test

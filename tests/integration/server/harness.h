@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -113,6 +114,13 @@ class ServerProcess {
   std::string address_;
   std::string metrics_;
 };
+
+// Starts ember-server again from the config file a ServerProcess of server
+// index 0 wrote into `dir` ("server0.toml"), listening on `address` (the one
+// it had, so that workers reconnect to it), stderr to dir/log_name; EXPECTs
+// its ready line within 30 s.
+std::unique_ptr<Process> restart_server(const TempDir& dir, const std::string& address,
+                                        const std::string& log_name);
 
 // A worker's config for `servers` (their real addresses) with `rank`.
 config::Config worker_config(const ClusterSpec& spec, const std::vector<std::string>& servers,

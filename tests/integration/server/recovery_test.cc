@@ -467,20 +467,6 @@ TEST(ServerRecovery, ResentPushIsAppliedOnce) {
 
 // ---- a server restored from a checkpoint older than the workers' step ----
 
-// The server's config file (written by ServerProcess) started again on the
-// same address, so that the workers reconnect to it; EXPECTs its ready line.
-std::unique_ptr<Process> restart_on(const TempDir& dir, const std::string& address,
-                                    const std::string& log_name) {
-  std::vector<std::string> args{"--config", (dir / "server0.toml").string(), "--listen", address,
-                                "--set", "server.server_index=0", "--set",
-                                "server.metrics_listen=127.0.0.1:0"};
-  auto p = std::make_unique<Process>(server_binary(), args, dir / log_name);
-  EXPECT_TRUE(p->wait_line("ember-server ready", 30s))
-      << "ember-server did not come back on " << address << ":\n"
-      << read_file(dir / log_name);
-  return p;
-}
-
 std::size_t count(const std::string& text, const std::string& what) {
   std::size_t n = 0;
   for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -548,7 +534,7 @@ struct OlderCheckpointScenario {
     const std::string address = server->address();
     server->process().signal(SIGKILL);
     ASSERT_TRUE(server->process().wait_exit());
-    restarted = restart_on(dir, address, "server0-restarted.log");
+    restarted = restart_server(dir, address, "server0-restarted.log");
     ASSERT_TRUE(restarted->running());
     EXPECT_NE(read_file(dir / "server0-restarted.log").find("restored checkpoint"),
               std::string::npos);

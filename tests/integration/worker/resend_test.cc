@@ -98,20 +98,6 @@ void step_both(Worker& w0, Worker& w1, int t, std::vector<float>& p0, std::vecto
   ASSERT_TRUE(r1) << "step " << t << ": " << r1.error().to_string();
 }
 
-// The server's config file (written by ServerProcess) started again on the
-// same address; EXPECTs its ready line.
-std::unique_ptr<Process> restart_server(const TempDir& dir, const std::string& address,
-                                        const std::string& log_name) {
-  std::vector<std::string> args{"--config", (dir / "server0.toml").string(), "--listen", address,
-                                "--set", "server.server_index=0", "--set",
-                                "server.metrics_listen=127.0.0.1:0"};
-  auto p = std::make_unique<Process>(server_binary(), args, dir / log_name);
-  EXPECT_TRUE(p->wait_line("ember-server ready", 30s))
-      << "ember-server did not come back on " << address << ":\n"
-      << read_file(dir / log_name);
-  return p;
-}
-
 void kill_nine(ServerProcess& server) {
   server.process().signal(SIGKILL);
   ASSERT_TRUE(server.process().wait_exit());
