@@ -1,10 +1,14 @@
 // EmberExchange (see ember_exchange.h).
 #include "examples/fashion_mnist/ember_exchange.h"
 
+#include <algorithm>
 #include <array>
+#include <limits>
 #include <utility>
 
 #include <fmt/format.h>
+
+#include "common/base/logging.h"
 
 namespace ember::fashion_mnist {
 namespace {
@@ -23,7 +27,7 @@ Result<PoolModelBuffers> bind_pool_buffers(Worker& worker, Mlp& model) {
   return buffers;
 }
 
-EmberExchange::~EmberExchange() { (void)drain("abandoned operation"); }
+EmberExchange::~EmberExchange() { (void)drain("abandoned operation", /*resync=*/false); }
 
 Status EmberExchange::finish(const InFlight& op, std::string_view what) {
   const Result<std::uint64_t> r = op.handle.wait();
@@ -36,21 +40,84 @@ Status EmberExchange::finish(const InFlight& op, std::string_view what) {
   return ok_status();
 }
 
-Status EmberExchange::drain(std::string_view what) {
-  Status first = ok_status();
+Status EmberExchange::drain(std::string_view what, bool resync, Status already) {
+  // The first kOutOfStep error and the first other error, kept apart: only
+  // the latter is fatal when resyncing.
+  Status out_of_step = ok_status();
+  Status other = ok_status();
+  auto note = [&](Status s) {
+    if (s) return;
+    if (s.error().code() == ErrorCode::kOutOfStep) {
+      if (out_of_step) out_of_step = std::move(s);
+    } else if (other) {
+      other = std::move(s);
+    }
+  };
+  note(std::move(already));
   for (std::optional<InFlight>& op : pending_) {
     if (!op) continue;
-    Status s = finish(*op, what);  // keep waiting after an error: nothing may outlive this
-    if (first && !s) first = std::move(s);
+    note(finish(*op, what));  // keep waiting after an error: nothing may outlive this
     op.reset();
   }
-  for (const InFlight& op : in_flight_) {
-    Status s = finish(op, what);
-    if (first && !s) first = std::move(s);
-  }
+  for (const InFlight& op : in_flight_) note(finish(op, what));
   in_flight_.clear();
   pipeline_.reset();
-  return first;
+  if (!other) return other;
+  if (!out_of_step && resync) return this->resync(next_step_);
+  return out_of_step;
+}
+
+Status EmberExchange::resync(std::uint64_t next_step) {
+  // Nothing is in flight. A refused key's client step(key) is the server's
+  // step; a key whose push_pull was answered before the server died is at
+  // the job's step, which the restored server refuses in turn (setting
+  // step(key) to its own): pull that key again at the step it named. A
+  // second refusal for one key (the server restarted once more) is fatal.
+  std::vector<std::uint64_t> server_steps(tensors_.size());
+  std::vector<std::size_t> to_pull(tensors_.size());
+  for (std::size_t i = 0; i < to_pull.size(); ++i) to_pull[i] = i;
+  for (int attempt = 0; !to_pull.empty(); ++attempt) {
+    std::vector<Handle> pulls;
+    pulls.reserve(to_pull.size());
+    for (const std::size_t i : to_pull) {
+      const Parameter& p = tensors_[i];
+      server_steps[i] = worker_->step(p.key);
+      pulls.push_back(worker_->pull(p.key, p.value, server_steps[i]));
+    }
+    std::vector<std::size_t> again;
+    Status first = ok_status();
+    for (std::size_t j = 0; j < pulls.size(); ++j) {
+      const Result<std::uint64_t> r = pulls[j].wait();  // every pull is waited for
+      if (r || !first) continue;
+      const Parameter& p = tensors_[to_pull[j]];
+      if (r.error().code() == ErrorCode::kOutOfStep && attempt == 0) {
+        again.push_back(to_pull[j]);
+      } else {
+        first = with_context(r.error(), fmt::format("resync pull after a server restart of {} "
+                                                    "(key {}, step {})",
+                                                    p.name, p.key, server_steps[to_pull[j]]));
+      }
+    }
+    EMBER_TRY(first);
+    to_pull = std::move(again);
+  }
+  std::uint64_t min_step = std::numeric_limits<std::uint64_t>::max();
+  std::uint64_t max_step = 0;
+  std::int64_t lost = 0;
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    const auto expected = static_cast<std::int64_t>(next_step) + offset_[i];
+    const auto server = static_cast<std::int64_t>(server_steps[i]);
+    lost = std::max(lost, expected - server);
+    offset_[i] = server - static_cast<std::int64_t>(next_step);
+    min_step = std::min(min_step, server_steps[i]);
+    max_step = std::max(max_step, server_steps[i]);
+  }
+  log::logger("fmnist")->warn(
+      "rank {}: resynced at trainer step {} to the servers' steps {}..{}: {} step(s) of "
+      "gradients lost; the server restarted from an older checkpoint (training goes on from "
+      "its parameters); see docs/troubleshooting.md#out-of-step",
+      worker_->rank(), next_step, min_step, max_step, lost);
+  return ok_status();
 }
 
 Result<std::size_t> EmberExchange::index_of(const Parameter& p) const {
@@ -74,6 +141,8 @@ Status EmberExchange::start(std::span<const Parameter> params) {
   }
   pending_.clear();
   pending_.resize(tensors_.size());
+  offset_.assign(tensors_.size(), 0);
+  next_step_ = 0;
   const bool rank0 = worker_->rank() == 0;
   std::vector<std::array<std::uint64_t, 2>> shapes(tensors_.size());
   std::vector<Handle> inits;
@@ -110,7 +179,7 @@ Status EmberExchange::start(std::span<const Parameter> params) {
   for (const Parameter& p : tensors_) {
     in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0});
   }
-  return drain("initial pull");
+  return drain("initial pull", /*resync=*/false);
 }
 
 Status EmberExchange::gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) {
@@ -122,19 +191,28 @@ Status EmberExchange::gradients_ready(std::uint64_t step, std::span<const Parame
   for (const Parameter& p : tensors) {
     EMBER_ASSIGN_OR_RETURN(const std::size_t i, index_of(p));
     const std::uint64_t client_step = worker_->step(p.key);
-    if (client_step != step || pending_[i]) {
+    const auto expected = static_cast<std::int64_t>(step) + offset_[i];
+    if (static_cast<std::int64_t>(client_step) != expected || pending_[i]) {
       return make_error(ErrorCode::kInternal,
                         "push of {} (key {}) for trainer step {}: the worker client is at step {} "
-                        "for this key{} (one push per key and step is expected)",
-                        p.name, p.key, step, client_step,
+                        "for this key, expected {} (offset {}){} (one push per key and step is "
+                        "expected)",
+                        p.name, p.key, step, client_step, expected, offset_[i],
                         pending_[i] ? " and its previous push_pull was not awaited" : "");
     }
-    // The reply to a push_pull of step s carries the step to compute next:
-    // s + 1 once the push is in.
-    pending_[i] =
-        InFlight{pipeline_->enqueue_push_pull(p.key, p.grad, p.value), p.key, p.name, step + 1};
+    // The reply to a push_pull of client step c carries the step to compute
+    // next: c + 1 once the push is in.
+    pending_[i] = InFlight{pipeline_->enqueue_push_pull(p.key, p.grad, p.value), p.key, p.name,
+                           client_step + 1};
   }
-  if (Status s = pipeline_->flush(); !s) {
+  next_step_ = step + 1;
+  // A connection lost while flushing (kClosed, kIo: a server killed) is not
+  // this step's error: the client re-sends the enqueued requests after a
+  // reconnect ([worker] resend_attempts) or fails their Handles, and
+  // await_parameters / sync report that outcome (a restarted server's
+  // kOutOfStep included). Other flush errors are returned.
+  if (Status s = pipeline_->flush();
+      !s && s.error().code() != ErrorCode::kClosed && s.error().code() != ErrorCode::kIo) {
     return with_context(s.error(), fmt::format("sending the gradient of {} at step {}",
                                                tensors.empty() ? "?" : tensors[0].name, step));
   }
@@ -148,6 +226,11 @@ Status EmberExchange::await_parameters(std::uint64_t step, std::span<const Param
     std::optional<InFlight> op = std::move(pending_[i]);
     pending_[i].reset();
     Status st = finish(*op, "push_pull");
+    if (!st && st.error().code() == ErrorCode::kOutOfStep) {
+      // The server restarted from an older checkpoint: wait for the rest,
+      // then continue from the server's parameters (ember_exchange.h).
+      st = drain("push_pull", /*resync=*/true, std::move(st));
+    }
     if (!st) return with_context(st.error(), fmt::format("step {}", step > 0 ? step - 1 : 0));
   }
   return ok_status();
@@ -159,7 +242,7 @@ Status EmberExchange::finish_step(std::uint64_t step) {
   return ok_status();
 }
 
-Status EmberExchange::sync() { return drain("push_pull"); }
+Status EmberExchange::sync() { return drain("push_pull", /*resync=*/true); }
 
 Status EmberExchange::finish_epoch(std::uint32_t epoch) {
   if (Status s = sync(); !s) {
@@ -174,7 +257,7 @@ Status EmberExchange::finish_epoch(std::uint32_t epoch) {
   for (const Parameter& p : tensors_) {
     in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0});
   }
-  return drain(fmt::format("pull after epoch {}", epoch));
+  return drain(fmt::format("pull after epoch {}", epoch), /*resync=*/true);
 }
 
 }  // namespace ember::fashion_mnist

@@ -33,7 +33,29 @@
 // that already holds the keys at a later step (a previous job's state, e.g.
 // restored from a checkpoint) is refused at start(): this trainer always
 // starts from its seed at step 0. Each push_pull checks that the client's
-// step for the key is the trainer's step.
+// step for the key is the trainer's step plus the key's offset (0 until a
+// resync).
+//
+// Resync after a server restart. A server killed during training (kill -9,
+// crash) restores its newest checkpoint, which may be older than the job's
+// step; under bsp it refuses the workers' next push_pull at once with
+// kOutOfStep and the client sets Worker::step(key) to the server's step
+// (worker.h, "Out of step"). When an awaited push_pull (await_parameters,
+// sync, finish_epoch's pulls) fails so, the exchange waits for every other
+// operation in flight (kOutOfStep or success; any other error stays fatal),
+// pulls every tensor at the client's step(key) into its value buffer (the
+// server's parameters), and from then on keeps per key
+//   offset[key] = client step - trainer step
+// (signed; keys restored from one checkpoint can differ by a round), so a
+// push of trainer step s goes out at client step s + offset[key]. It logs
+// one warning per resync (logger "fmnist", level warn) naming the trainer
+// step, the servers' steps (min..max), the steps of gradients lost and the
+// cause, ending with docs/troubleshooting.md#out-of-step. The Trainer's
+// epoch and step counts are untouched: the epoch still ends after its
+// steps; the gradients of the lost steps are simply not in the model. Every
+// worker of a bsp job gets the same refusal and resumes at the same server
+// steps. A pull refused while resyncing (the server restarted again) is
+// fatal.
 //
 // Buffers. Bind the model to page-pool memory (bind_pool_buffers) so that
 // gradients leave without a copy (tcp: gathered write; shm: by reference).
@@ -51,6 +73,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/base/error.h"
@@ -95,15 +118,19 @@ class EmberExchange final : public GradientExchange {
   Status start(std::span<const Parameter> params) override;
 
   // Enqueues push_pull for each tensor and flushes. Does not wait for
-  // replies. Errors: the send's (kClosed, kIo); kInternal when the client's
-  // step for a key is not the trainer's (a bug: a second push in a step),
-  // or a tensor was not passed to start().
+  // replies. A flush that meets a lost connection (kClosed, kIo) is not an
+  // error here: the operations' Handles report it (re-sent after a
+  // reconnect, or failed) when awaited. Errors: other send errors; kInternal when the client's
+  // step for a key is not the trainer's plus the key's offset (a bug: a
+  // second push in a step), or a tensor was not passed to start().
   Status gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) override;
 
-  // Waits for the push_pull of each tensor still in flight. Errors: the
-  // operation's (kWorkerLost, kStale, kTimeout, kClosed, ...) naming the
-  // tensor and step; kInternal when the reply says the server is behind
-  // `step`.
+  // Waits for the push_pull of each tensor still in flight. A kOutOfStep
+  // reply resyncs (file comment) and returns OK with the server's
+  // parameters in the value buffers. Errors: the operation's (kWorkerLost,
+  // kStale, kTimeout, kClosed, ...) naming the tensor and step; kInternal
+  // when the reply says the server is behind `step`; the resync pulls'
+  // errors (kOutOfStep included), naming the tensor.
   Status await_parameters(std::uint64_t step, std::span<const Parameter> tensors) override;
 
   // Nothing to wait for (see the file comment); ends the step's Pipeline
@@ -111,7 +138,8 @@ class EmberExchange final : public GradientExchange {
   Status finish_step(std::uint64_t step) override;
 
   // Waits for every operation in flight; the first error, as
-  // await_parameters. Every operation is waited for either way.
+  // await_parameters (kOutOfStep resyncs). Every operation is waited for
+  // either way.
   Status sync() override;
 
   // sync(), a barrier, then a pull of every tensor into its value buffer.
@@ -133,8 +161,14 @@ class EmberExchange final : public GradientExchange {
   // min_reply_step) with `what` and the tensor named.
   static Status finish(const InFlight& op, std::string_view what);
   // Waits for every in-flight operation (per tensor and the list); returns
-  // the first error. Clears both and ends the pipeline.
-  Status drain(std::string_view what);
+  // the first error. Clears both and ends the pipeline. With `resync`,
+  // kOutOfStep errors (`already` is one failed before the call, or OK) lead
+  // to resync(next_step_) instead, unless another error came too (that one
+  // is returned).
+  Status drain(std::string_view what, bool resync, Status already = ok_status());
+  // Nothing in flight: pulls every tensor at the client's step(key), sets
+  // the offsets for trainer step `next_step` and logs the warning.
+  Status resync(std::uint64_t next_step);
   // Index of `p` in tensors_, or an error when start() did not register it.
   Result<std::size_t> index_of(const Parameter& p) const;
 
@@ -146,6 +180,10 @@ class EmberExchange final : public GradientExchange {
   std::vector<std::optional<InFlight>> pending_;
   // init / pull operations of start() and finish_epoch().
   std::vector<InFlight> in_flight_;
+  // Per tensor: client step - trainer step (0 until a resync).
+  std::vector<std::int64_t> offset_;
+  // The trainer step the next gradients_ready will carry (the last one + 1).
+  std::uint64_t next_step_ = 0;
 };
 
 }  // namespace ember::fashion_mnist

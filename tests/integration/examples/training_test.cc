@@ -13,7 +13,9 @@
 // sampler makes the samples identical; only float summation order differs);
 // every failure is a clear message and a non-zero exit: server absent,
 // server killed mid-training, server hung (timeout), a worker lost, a
-// server holding an earlier job, a bad rank.
+// server holding an earlier job, a bad rank. A server killed with -9 and
+// restarted from an older checkpoint: the workers resync (one warning each)
+// and finish the job.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -27,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -213,6 +216,14 @@ class FmnistJob : public ::testing::Test {
                                   "warn"};
     argv.insert(argv.end(), args.begin(), args.end());
     return std::make_unique<Process>(argv, path(fmt::format("worker-{}-{}.log", rank, workers_++)));
+  }
+
+  // The text of the file `name` in the test directory ("" when absent).
+  std::string read_text(const std::string& name) const {
+    std::ifstream f(path(name));
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
   }
 
   static std::string describe(Process& p) {
@@ -413,6 +424,141 @@ TEST_F(FmnistJob, ServerKilledMidTrainingStopsEveryWorkerWithAnError) {
     EXPECT_NE(err.find("epoch 1 step"), std::string::npos) << err;
     EXPECT_TRUE(lines_with(*w, "RESULT").empty());
   }
+}
+
+// The newest "checkpoint <n> written" sequence in a server log; 0 for none.
+std::uint64_t newest_checkpoint(const std::string& log) {
+  static const std::regex re("checkpoint ([0-9]+) written");
+  std::uint64_t newest = 0;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator();
+       ++it) {
+    newest = std::max<std::uint64_t>(newest, std::stoull((*it)[1].str()));
+  }
+  return newest;
+}
+
+// The largest "step=<n>/" of `p`'s progress lines read so far; 0 for none.
+std::size_t newest_step(const Process& p) {
+  std::size_t newest = 0;
+  for (const auto& l : p.lines()) {
+    if (l.rfind("progress ", 0) != 0) continue;
+    const auto v = field(l, "step");
+    if (v) newest = std::max<std::size_t>(newest, std::stoul(v->substr(0, v->find('/'))));
+  }
+  return newest;
+}
+
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
+  return n;
+}
+
+TEST_F(FmnistJob, ServerRestartedFromAnOlderCheckpointIsResyncedAndTrainingFinishes) {
+  // bsp, periodic checkpoints. After the server is killed with -9 and comes
+  // back on the same address from a checkpoint older than the workers' step,
+  // its first reply to each worker is kOutOfStep: the workers pull its
+  // parameters, go on from its steps and finish the epoch.
+  const std::string config = write_config(2);
+  const std::vector<std::string> checkpoints{"--set", "server.checkpoint_dir=" + path("ckpt"),
+                                             "--set", "server.checkpoint_interval=1s"};
+  auto server_argv = [&](const std::string& listen) {
+    std::vector<std::string> argv{EMBER_SERVER_BIN, "--config", config, "--listen", listen};
+    argv.insert(argv.end(), checkpoints.begin(), checkpoints.end());
+    return argv;
+  };
+  auto server = std::make_unique<Process>(server_argv("127.0.0.1:0"), path("server.log"));
+  const auto ready = server->wait_line("ember-server ready", kStartTimeout);
+  ASSERT_TRUE(ready.has_value()) << server->stderr_text();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(*ready, m, std::regex("listen=127\\.0\\.0\\.1:([0-9]+)")));
+  port_ = std::stoi(m[1].str());
+
+  // Reconnects keep trying while the server is down (50 ms .. 1 s apart).
+  const std::vector<std::string> args{"--epochs", "1", "--max-steps-per-epoch", "400",
+                                      "--progress-every", "5", "--set",
+                                      "worker.connect_retries=100"};
+  auto w0 = start_worker(config, 0, args);
+  auto w1 = start_worker(config, 1, args);
+
+  // Wait (on worker 0's progress lines) for a checkpoint N written after
+  // training began (so it holds the tensors), then for 10 more steps;
+  // freeze the server and make sure N is still its newest checkpoint (else
+  // take the newer one as N and go on), so that the checkpoint restored
+  // below is at least 10 steps behind the workers. The interval (1 s) is
+  // long next to 10 steps (Debug, loaded machine: ~20 ms each).
+  std::optional<std::uint64_t> before_training;
+  std::uint64_t checkpoint = 0;
+  std::size_t target = 0;
+  for (;;) {
+    ASSERT_TRUE(w0->wait_line("progress ", kRunTimeout).has_value())
+        << "no checkpoint while worker 0 trained; server log:\n"
+        << server->stderr_text() << describe(*w0);
+    ASSERT_LT(newest_step(*w0), 380u) << "the job ran out of steps before the kill; server log:\n"
+                                      << server->stderr_text();
+    const std::uint64_t newest = newest_checkpoint(server->stderr_text());
+    if (!before_training) before_training = newest;
+    if (checkpoint == 0) {
+      if (newest > *before_training) {
+        checkpoint = newest;
+        target = newest_step(*w0) + 10;
+      }
+      continue;
+    }
+    if (newest_step(*w0) < target) continue;
+    server->signal(SIGSTOP);
+    if (newest_checkpoint(server->stderr_text()) == checkpoint) break;
+    server->signal(SIGCONT);
+    checkpoint = newest_checkpoint(server->stderr_text());
+    target = newest_step(*w0) + 10;
+  }
+  ASSERT_GT(checkpoint, 0u);
+  const std::size_t killed_at = newest_step(*w0);
+  const auto killed = std::chrono::steady_clock::now();
+  server->signal(SIGKILL);
+  ASSERT_TRUE(server->wait_exit(kStartTimeout).has_value());
+
+  Process again(server_argv(fmt::format("127.0.0.1:{}", port_)), path("server-restarted.log"));
+  ASSERT_TRUE(again.wait_line("ember-server ready", kStartTimeout).has_value())
+      << again.stderr_text();
+  EXPECT_NE(again.stderr_text().find(fmt::format("restored checkpoint '{}", path("ckpt"))),
+            std::string::npos)
+      << again.stderr_text();
+  EXPECT_NE(again.stderr_text().find(fmt::format("sequence {},", checkpoint)), std::string::npos)
+      << again.stderr_text();
+
+  for (Process* w : {w0.get(), w1.get()}) {
+    ASSERT_EQ(w->wait_exit(kRunTimeout), 0) << describe(*w);
+  }
+  // Far less than request_timeout (120 s) after the kill, training of the
+  // remaining ~370 steps included: the refusal comes at once.
+  const auto extra = std::chrono::steady_clock::now() - killed;
+  EXPECT_LT(extra, 30s);
+  for (Process* w : {w0.get(), w1.get()}) {
+    const std::string err = w->stderr_text();
+    EXPECT_EQ(count_of(err, "resynced at trainer step"), 1u) << err;
+    EXPECT_EQ(count_of(err, "the server restarted from an older checkpoint"), 1u) << err;
+    EXPECT_NE(err.find("docs/troubleshooting.md#out-of-step"), std::string::npos) << err;
+    EXPECT_EQ(err.find("fmnist-worker rank"), std::string::npos) << err;
+    const auto result = lines_with(*w, "RESULT ");
+    ASSERT_EQ(result.size(), 1u) << describe(*w);
+    // The trainer's bookkeeping is untouched: the epoch has all its steps.
+    EXPECT_EQ(field(result[0], "steps"), "400");
+    EXPECT_GT(number(result[0], "test_accuracy"), 0.70) << describe(*w);
+  }
+  // bsp: both resumed at the same server steps and ended with one model.
+  EXPECT_EQ(field(lines_with(*w0, "RESULT ")[0], "test_accuracy"),
+            field(lines_with(*w1, "RESULT ")[0], "test_accuracy"));
+  const std::string err0 = w0->stderr_text();
+  const auto at = err0.find("resynced at trainer step");
+  const std::string warning =
+      at == std::string::npos ? "" : err0.substr(at, err0.find('\n', at) - at);
+  std::printf("killed at worker 0 step %zu, checkpoint %llu; %.2f s from the kill to the end; "
+              "worker 0: ...%s\n",
+              killed_at, static_cast<unsigned long long>(checkpoint),
+              std::chrono::duration<double>(extra).count(), warning.c_str());
+  again.signal(SIGTERM);
+  EXPECT_EQ(again.wait_exit(kStartTimeout), 0) << again.stderr_text();
 }
 
 TEST_F(FmnistJob, HungServerIsATimeoutError) {
