@@ -108,6 +108,9 @@ class Buffer {
   std::span<std::byte> bytes() const noexcept { return {data_, size_}; }
   const MemoryLocation& location() const noexcept { return location_; }
   bool empty() const noexcept { return data_ == nullptr && ops_ == nullptr; }
+  // True for an adopted Buffer (its release frees or recycles the memory);
+  // false for a borrowed one (the caller manages the memory).
+  bool owns_memory() const noexcept { return ops_ != nullptr; }
   explicit operator bool() const noexcept { return !empty(); }
 
   // Shrinks the visible length (the owner still releases the whole thing).

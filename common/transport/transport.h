@@ -250,7 +250,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // (as above) and released before send() returns. Large payloads are sent
   // from their memory without a copy (tcp: writev of header + payload, or
   // sendfile from location().fd when zero_copy is kSendfile and the Buffer
-  // has an fd; shm: by reference when the Buffer lies in a registered region,
+  // has an fd and is borrowed — sendfile's completion does not mean the
+  // kernel has read the pages, so the caller must keep a borrowed payload
+  // unchanged until the peer has answered; owned Buffers go by writev; shm: by reference when the Buffer lies in a registered region,
   // otherwise an error; rdma: from the registered region). The transport owns
   // the payload from a successful call until it is released, then runs
   // `done` (if set) on the I/O thread. On an error return the payload was

@@ -534,8 +534,17 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done) {
   // sendfile costs a second system call (the prefix goes with write): below
   // kSendfileMinBytes one gathered write is cheaper (measured by
   // ember-bench-transport: 4 KiB messages went at less than half the rate).
+  // sendfile() returns once the kernel holds references to the memfd's
+  // pages, not once it has read them (on loopback the receiver copies them
+  // later): a Buffer released at completion and recycled at once (a server
+  // reply from a pool block) would be sent with the next owner's bytes, which
+  // the peer's checksum catches ("bad frame"). So only borrowed memory, which
+  // its caller keeps unchanged until an application-level reply (a worker's
+  // gradient until the server answers the push), goes by sendfile; an owned
+  // Buffer goes with writev.
   const bool use_sendfile = options_.zero_copy == ZeroCopy::kSendfile &&
-                            payload.location().has_fd() && size >= kSendfileMinBytes;
+                            payload.location().has_fd() && !payload.owns_memory() &&
+                            size >= kSendfileMinBytes;
   if (use_sendfile) {
     e.segments[1] = Segment{nullptr, payload.location().fd, payload.location().fd_offset, body.size()};
   } else {

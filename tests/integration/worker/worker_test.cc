@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <future>
 #include <thread>
 
@@ -285,6 +286,45 @@ TEST(WorkerClient, ZeroFlushIntervalWorksOnEveryTransport) {
     const std::vector<float> g(4, 1.0f);
     for (int step = 0; step < 3; ++step) ASSERT_TRUE(w->push_pull(1, g, out).wait());
     EXPECT_EQ(out, (std::vector<float>{-2, -1, 0, 1}));
+  }
+}
+
+// zero_copy = "sendfile": the server's replies come from pool blocks that
+// are recycled as soon as their send completes, and sendfile() completes
+// before the kernel has read the pages. They used to reach the worker with
+// the next reply's bytes ("checksum mismatch"); owned Buffers now go by
+// writev. Many large replies in flight at once recycle blocks quickly.
+TEST(WorkerClient, SendfileRepliesArriveIntactWhileTheirBlocksAreRecycled) {
+  config::Config c = base_config(1);
+  c.communication.zero_copy = config::ZeroCopy::kSendfile;
+  c.communication.prealloc_pages = 64;
+  LocalServer s(c);
+  ASSERT_TRUE(s.server);
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  constexpr std::size_t kKeys = 12;
+  constexpr std::size_t kFloats = std::size_t{1} << 19;  // 2 MiB: above the sendfile minimum
+  const std::uint64_t shape[] = {kFloats};
+  std::vector<TensorBuffer> grads, outs;
+  for (std::size_t k = 0; k < kKeys; ++k) {
+    std::vector<float> init(kFloats, static_cast<float>(k));
+    ASSERT_TRUE(w->init(k, shape, init).wait());
+    grads.push_back(w->allocate(kFloats * sizeof(float)));
+    outs.push_back(w->allocate(kFloats * sizeof(float)));
+    std::fill(grads.back().floats().begin(), grads.back().floats().end(), 1.0f);
+  }
+  for (int step = 1; step <= 4; ++step) {
+    std::vector<Handle> hs;
+    for (std::size_t k = 0; k < kKeys; ++k) {
+      hs.push_back(w->push_pull(k, grads[k].floats(), outs[k].floats()));
+    }
+    for (auto& h : hs) ASSERT_TRUE(h.wait()) << h.wait().error().to_string();
+    for (std::size_t k = 0; k < kKeys; ++k) {
+      const float want = static_cast<float>(k) - static_cast<float>(step);  // sgd, lr 1
+      const auto out = outs[k].floats();
+      ASSERT_EQ(std::count(out.begin(), out.end(), want), static_cast<std::ptrdiff_t>(kFloats))
+          << "key " << k << " step " << step;
+    }
   }
 }
 
