@@ -88,12 +88,14 @@ struct ConnState {
     bool active = false;
     proto::Header header;
     std::array<std::uint64_t, proto::kMaxDims> dims{};
+    std::optional<proto::ReplyPlacement> placement;
   };
   std::vector<Pending> pending;
   // Held while a header and its following payload are sent, so that replies
   // from different shard threads do not interleave on a channel.
   std::vector<std::unique_ptr<std::mutex>> send_mutex;
   std::atomic<std::uint32_t> errors_logged{0};
+  std::atomic<bool> placement_warned{false};  // an unusable reply placement was logged
   std::atomic<bool> closing{false};
   // Refused at accept (rank outside the job, or a rank that already has a
   // live connection): the worker's join is answered with this error, then
@@ -114,6 +116,7 @@ struct Server::Impl final : ReplySink {
   metrics::Counter* bad_messages = nullptr;
   metrics::Counter* checksum_failures = nullptr;
   metrics::Counter* error_replies = nullptr;
+  metrics::Counter* replies_in_place = nullptr;
   metrics::Counter* checkpoints_written = nullptr;
   metrics::Gauge* workers_connected = nullptr;
   metrics::Gauge* bytes_in = nullptr;
@@ -191,7 +194,8 @@ struct Server::Impl final : ReplySink {
   void on_closed(transport::Connection& conn, const Error& reason);
   void close_bad(ConnState& c, const Error& why);
   void dispatch(ConnState& c, std::uint32_t channel, const proto::Header& h,
-                const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload);
+                const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload,
+                const std::optional<proto::ReplyPlacement>& placement = std::nullopt);
   void handle_join(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
   void handle_set_lr(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
   void handle_checkpoint(ConnState& c, std::uint32_t channel, const proto::Header& h);
@@ -240,6 +244,10 @@ void Server::Impl::make_metrics() {
   error_replies = &registry.counter("ember_server_error_replies_total",
                                     "Requests answered with an error (unknown key, shape, stale "
                                     "step, lost worker, ...)");
+  replies_in_place = &registry.counter(
+      "ember_server_replies_in_place_total",
+      "Pull and push_pull replies whose parameters were written straight into the worker's "
+      "memory (shm, proto kFlagInPlace)");
   checkpoints_written =
       &registry.counter("ember_server_checkpoints_written_total", "Checkpoints written");
   workers_connected =
@@ -647,8 +655,30 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
   const std::size_t total = prefix + payload.size();
   Status s;
   if (to.channel >= c->send_mutex.size()) return;
+  // In place (proto::kFlagInPlace): the one copy of a pull reply goes
+  // straight into the worker's destination, and the reply carries no data.
+  // A placement this connection cannot write (not shm, outside the worker's
+  // regions) is ignored: the data is sent as usual.
+  std::span<std::byte> place;
+  if (to.has_placement && h.status == ErrorCode::kOk && !payload.empty() &&
+      (h.type == proto::MsgType::kPull || h.type == proto::MsgType::kPushPull)) {
+    if (auto mem = c->conn->peer_memory(to.placement_region, to.placement_offset, payload.size())) {
+      place = *mem;
+    } else if (!c->placement_warned.exchange(true, std::memory_order_relaxed)) {
+      log->warn("worker {} ({}): reply placement not usable, sending the data instead: {}",
+                c->rank, c->peer, mem.error().message());
+    }
+  }
+  if (!place.empty()) std::memcpy(place.data(), payload.data(), payload.size());
   std::lock_guard channel_lock(*c->send_mutex[to.channel]);
-  if (total <= small_message_limit) {
+  if (!place.empty()) {
+    replies_in_place->inc();
+    proto::Header head = h;
+    head.flags |= proto::kFlagInPlace;
+    std::array<std::byte, proto::kHeaderBytes> hb;
+    proto::encode_prefix(head, {}, hb);
+    s = c->conn->send(to.channel, hb);
+  } else if (total <= small_message_limit) {
     thread_local std::vector<std::byte> buf;
     buf.resize(total);
     proto::encode_prefix(h, {}, buf);
@@ -677,10 +707,16 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
 }
 
 void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::Header& h,
-                            const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload) {
+                            const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload,
+                            const std::optional<proto::ReplyPlacement>& placement) {
   ShardItem item;
   item.kind = ShardItem::Kind::kRequest;
   item.request.to = ReplyTo{c.id, channel};
+  if (placement) {
+    item.request.to.has_placement = true;
+    item.request.to.placement_region = placement->region_id;
+    item.request.to.placement_offset = placement->offset_bytes;
+  }
   item.request.header = h;
   item.dims = dims;
   item.payload = std::move(payload);
@@ -799,7 +835,7 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
     }
     Payload p = msg.is_large() ? Payload::adopt(std::move(msg.owned), 0, h.num_elements)
                                : Payload::copy_of(msg.bytes);
-    dispatch(*c, msg.channel, h, pending.dims, std::move(p));
+    dispatch(*c, msg.channel, h, pending.dims, std::move(p), pending.placement);
     return;
   }
   auto decoded = proto::decode(msg.bytes);
@@ -860,6 +896,7 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
         pending.active = true;
         pending.header = h;
         pending.dims = m.dims;
+        pending.placement = m.placement;
         return;
       }
       Payload p;
@@ -870,7 +907,7 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
         p = msg.is_large() ? Payload::adopt(std::move(msg.owned), offset, h.num_elements)
                            : Payload::copy_of(m.payload);
       }
-      dispatch(*c, msg.channel, h, m.dims, std::move(p));
+      dispatch(*c, msg.channel, h, m.dims, std::move(p), m.placement);
       return;
     }
   }

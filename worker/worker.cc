@@ -85,6 +85,7 @@ struct PendingReq {
   proto::MsgType type = proto::MsgType::kPush;
   std::byte* dest = nullptr;  // pull / push_pull destination of this chunk; join body
   std::uint64_t dest_bytes = 0;
+  bool in_place = false;  // sent with a proto::ReplyPlacement for `dest`
   std::uint32_t server = 0;
   std::uint64_t conn_gen = 0;
   // What a re-send after a lost connection needs: the request as issued
@@ -935,6 +936,21 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
     case proto::MsgType::kPull:
     case proto::MsgType::kPushPull:
     case proto::MsgType::kJoin: {
+      if ((h.flags & proto::kFlagInPlace) != 0) {
+        // The server wrote the parameters into req->dest already (the
+        // request's placement); the lane's ordering makes them visible here.
+        if (!req->in_place || proto::tensor_bytes(h) != req->dest_bytes) {
+          op.fail(Error(ErrorCode::kProtocol,
+                        fmt::format("server {}: {} says it wrote {} bytes in place; the "
+                                    "request {} ({} bytes)",
+                                    server, proto::describe(h), proto::tensor_bytes(h),
+                                    req->in_place ? "asked for that" : "named no place",
+                                    req->dest_bytes)));
+          return;
+        }
+        op.complete_part(h.step);
+        return;
+      }
       if (payload.size() != req->dest_bytes) {
         op.fail(Error(ErrorCode::kProtocol,
                       fmt::format("server {}: {} carries {} bytes, expected {}", server,
@@ -979,8 +995,21 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   o.pending.data = o.data;
   o.pending.channel = o.channel;
   const std::uint64_t id = o.header.request_id;
-  pending.insert(id, std::move(o.pending));
   const bool large = is_large(o.data.size(), o.header);
+  // In place (proto::kFlagInPlace): a large reply's parameters are written by
+  // the server straight into the caller's pool memory (shm maps it on the
+  // server) — one copy instead of two. Kept off the stored header: a re-send
+  // decides again.
+  std::optional<proto::ReplyPlacement> placement;
+  if (kind == transport::Kind::kShm &&
+      (o.header.type == proto::MsgType::kPull || (o.header.type == proto::MsgType::kPushPull && large)) &&
+      is_large(o.pending.dest_bytes, o.header) && pool->contains(o.pending.dest) &&
+      pool->contains(o.pending.dest + o.pending.dest_bytes - 1)) {
+    placement = proto::ReplyPlacement{region_id.load(std::memory_order_acquire), 0,
+                                      static_cast<std::uint64_t>(o.pending.dest - pool->base())};
+  }
+  o.pending.in_place = placement.has_value();
+  pending.insert(id, std::move(o.pending));
   // `lost_completion`: a large send whose completion will not run (its
   // part must be counted here if the request is re-sent).
   auto fail = [&](Error e, bool lost_completion) {
@@ -1008,18 +1037,29 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   };
   std::lock_guard channel_lock(*link.channel_mutex[o.channel]);
   transport::Connection& c = **conn;
+  if (placement) o.header.flags |= proto::kFlagInPlace;
   if (!large) {
     thread_local std::vector<std::byte> buf;
     const std::size_t prefix = proto::prefix_bytes(o.header);
-    buf.resize(prefix + o.data.size());
+    buf.resize(prefix + o.data.size() + (placement ? sizeof(proto::ReplyPlacement) : 0));
     proto::encode_prefix(o.header, std::span(o.dims.data(), o.header.ndim), buf);
     if (!o.data.empty()) std::memcpy(buf.data() + prefix, o.data.data(), o.data.size());
+    if (placement) {
+      const auto body = proto::encode_body(*placement);
+      std::memcpy(buf.data() + prefix, body.data(), body.size());  // a pull: no data
+    }
     if (Status s = c.send(o.channel, buf); !s) return fail(s.error(), false);
   } else {
     o.header.flags |= proto::kFlagPayloadFollows;
-    std::array<std::byte, proto::kHeaderBytes + 8 * proto::kMaxDims> head;
-    const std::size_t prefix = proto::prefix_bytes(o.header);
+    std::array<std::byte, proto::kHeaderBytes + 8 * proto::kMaxDims + sizeof(proto::ReplyPlacement)>
+        head;
+    std::size_t prefix = proto::prefix_bytes(o.header);
     proto::encode_prefix(o.header, std::span(o.dims.data(), o.header.ndim), head);
+    if (placement) {
+      const auto body = proto::encode_body(*placement);
+      std::memcpy(head.data() + prefix, body.data(), body.size());
+      prefix += body.size();
+    }
     if (Status s = c.send(o.channel, std::span(head.data(), prefix)); !s) return fail(s.error(), true);
     auto* bytes = const_cast<std::byte*>(o.data.data());
     transport::Buffer payload;

@@ -52,7 +52,13 @@
 // from the block; shm: by reference). A gradient in other memory is sent
 // without a copy over tcp and copied once into a pool block over shm. Small
 // chunks (below batch_threshold) are copied once into the channel's batch.
-// A pull's parameters are copied once from the receive buffer into `out`.
+// A pull's parameters are copied once from the receive buffer into `out`;
+// over shm, when `out` is a pool block (allocate()) and the chunk is above
+// batch_threshold, the server writes them straight into `out` instead
+// (proto::kFlagInPlace: one copy in all, made by the server, none here).
+// Then `out` may still be written after its Handle failed with kTimeout, by
+// a late reply, until the connection closes: after a timeout, keep `out`
+// (or destroy the Worker) before reusing it.
 //
 // Lost connections. When a connection to a server closes for a reason a
 // reconnect can cure (peer reset or crash, heartbeat timeout, orderly close

@@ -100,6 +100,28 @@ Status check_request(const MessageView& m) {
                         "{}: payload-follows flag on a message without tensor data", describe(h));
     }
   }
+  if ((h.flags & kFlagInPlace) != 0) {
+    const bool placeable = h.type == MsgType::kPull ||
+                           (h.type == MsgType::kPushPull && (h.flags & kFlagPayloadFollows) != 0);
+    if (!placeable) {
+      return make_error(ErrorCode::kMalformedFrame,
+                        "{}: in-place flag outside a pull or a payload-follows push_pull",
+                        describe(h));
+    }
+    if (n != sizeof(ReplyPlacement)) {
+      return make_error(ErrorCode::kMalformedFrame, "{}: reply placement is {} bytes, expected {}",
+                        describe(h), n, sizeof(ReplyPlacement));
+    }
+    if (!m.placement || m.placement->reserved != 0) {
+      return make_error(ErrorCode::kMalformedFrame, "{}: reply placement reserved field is not 0",
+                        describe(h));
+    }
+    // What follows checks the payload as if the placement were not there.
+    MessageView rest = m;
+    rest.payload = {};
+    rest.header.flags &= static_cast<std::uint8_t>(~kFlagInPlace);
+    return check_request(rest);
+  }
   if (is_keyed(h.type)) EMBER_TRY(check_chunk_fields(h));
   switch (h.type) {
     case MsgType::kJoin:
@@ -166,6 +188,21 @@ Status check_reply(const MessageView& m) {
       (h.status != ErrorCode::kOk || (h.type != MsgType::kPull && h.type != MsgType::kPushPull))) {
     return make_error(ErrorCode::kMalformedFrame,
                       "{}: payload-follows flag on a reply without tensor data", describe(h));
+  }
+  if ((h.flags & kFlagInPlace) != 0) {
+    if (h.status != ErrorCode::kOk || (h.type != MsgType::kPull && h.type != MsgType::kPushPull) ||
+        (h.flags & kFlagPayloadFollows) != 0) {
+      return make_error(ErrorCode::kMalformedFrame,
+                        "{}: in-place flag on a reply other than a pull or push_pull with data "
+                        "written in place",
+                        describe(h));
+    }
+    EMBER_TRY(check_chunk_fields(h));
+    if (!is_tensor_dtype(h.dtype)) {
+      return make_error(ErrorCode::kMalformedFrame, "{}: dtype {} cannot carry tensor data",
+                        describe(h), dtype_name(h.dtype));
+    }
+    return check_empty_payload(h, n);
   }
   if (h.status != ErrorCode::kOk) {
     if (h.dtype != DType::kNone) {
@@ -318,7 +355,16 @@ Result<MessageView> decode(std::span<const std::byte> bytes) {
     m.dims[i] = from_le(d);
   }
   m.payload = bytes.subspan(prefix);
+  if (!h.is_reply() && (h.flags & kFlagInPlace) != 0 && m.payload.size() == sizeof(ReplyPlacement)) {
+    ReplyPlacement p;
+    std::memcpy(&p, m.payload.data(), sizeof p);
+    p.region_id = from_le(p.region_id);
+    p.reserved = from_le(p.reserved);
+    p.offset_bytes = from_le(p.offset_bytes);
+    m.placement = p;
+  }
   EMBER_TRY(h.is_reply() ? check_reply(m) : check_request(m));
+  if (m.placement) m.payload = {};
   return m;
 }
 
@@ -403,6 +449,13 @@ std::array<std::byte, sizeof(JoinReplyBody)> encode_body(const JoinReplyBody& bo
   w.server_index = to_le(body.server_index);
   w.num_shards = to_le(body.num_shards);
   w.staleness = to_le(body.staleness);
+  std::array<std::byte, sizeof w> out;
+  std::memcpy(out.data(), &w, sizeof w);
+  return out;
+}
+
+std::array<std::byte, sizeof(ReplyPlacement)> encode_body(const ReplyPlacement& body) {
+  ReplyPlacement w{to_le(body.region_id), to_le(body.reserved), to_le(body.offset_bytes)};
   std::array<std::byte, sizeof w> out;
   std::memcpy(out.data(), &w, sizeof w);
   return out;

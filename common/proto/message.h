@@ -27,6 +27,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -93,7 +94,16 @@ inline constexpr std::uint8_t kFlagNoData = 0x02;  // init without values: wait 
 // send a chunk straight from its buffer (a transport Buffer over exactly the
 // chunk) without a header in front.
 inline constexpr std::uint8_t kFlagPayloadFollows = 0x04;
-inline constexpr std::uint8_t kKnownFlags = kFlagReply | kFlagNoData | kFlagPayloadFollows;
+// In place (same-host transports; see ReplyPlacement). In a pull request, or
+// a push_pull request with kFlagPayloadFollows: the inline payload is a
+// 16-byte ReplyPlacement naming where in the worker's registered memory the
+// reply's tensor data may be written. In a pull or push_pull reply with
+// status kOk: the data was written there, the reply carries none. A server
+// that cannot write there (tcp, rdma, a placement outside the memory it
+// maps) ignores the placement and sends the data as usual.
+inline constexpr std::uint8_t kFlagInPlace = 0x08;
+inline constexpr std::uint8_t kKnownFlags =
+    kFlagReply | kFlagNoData | kFlagPayloadFollows | kFlagInPlace;
 
 // The header as the program sees it (host byte order, typed fields).
 struct Header {
@@ -172,6 +182,23 @@ static_assert(sizeof(JoinRequestBody) == 16);
 std::uint32_t partition_check(std::uint64_t partition_bytes) noexcept;
 static_assert(offsetof(JoinRequestBody, server_index) == 8);
 
+// Body of a request with kFlagInPlace (16 bytes, little-endian): the reply's
+// tensor data (num_elements * dtype bytes) goes to bytes [offset_bytes, +n)
+// of the memory region the worker registered with its transport as
+// `region_id` (transport::Transport::register_memory; for shm the region is
+// shared with the server at connect). The worker keeps that memory for the
+// request until its reply arrives. The idea is a one-sided write, as an RDMA
+// WRITE into a remote memory region (and DeepEP's buffers that peers write
+// into): the server copies the parameters once, into their destination,
+// instead of into a send buffer that the worker then copies again.
+struct ReplyPlacement {
+  std::uint32_t region_id;  // 0
+  std::uint32_t reserved;   // 4 zero
+  std::uint64_t offset_bytes;  // 8
+};
+static_assert(sizeof(ReplyPlacement) == 16);
+static_assert(offsetof(ReplyPlacement, offset_bytes) == 8);
+
 // Consistency model and loss policy codes (JoinReplyBody, checkpoints).
 enum class Consistency : std::uint8_t { kBsp = 0, kAsp = 1, kSsp = 2 };
 enum class LossPolicy : std::uint8_t { kWait = 0, kShrink = 1, kFail = 2 };
@@ -197,6 +224,8 @@ struct MessageView {
   Header header;
   std::array<std::uint64_t, kMaxDims> dims{};  // first header.ndim are valid
   std::span<const std::byte> payload;
+  // A request with kFlagInPlace: its placement (the payload is then empty).
+  std::optional<ReplyPlacement> placement;
 
   std::span<const std::uint64_t> shape() const { return {dims.data(), header.ndim}; }
   // Payload as text (error replies).
@@ -211,7 +240,10 @@ struct MessageView {
 // equals num_elements * dtype bytes for data messages, chunk_index <
 // num_chunks, offset + num_elements <= product of the shape, the shape's
 // product without overflow and <= kMaxElements, fixed bodies of the right
-// length, error text <= kMaxErrorTextBytes, status kOk in requests).
+// length, error text <= kMaxErrorTextBytes, status kOk in requests; the
+// in-place flag only on pull and payload-follows push_pull requests with a
+// 16-byte placement whose reserved field is 0, and on successful pull and
+// push_pull replies without data).
 // Errors: kMalformedFrame naming the field and its value; kVersionMismatch.
 [[nodiscard]] Result<MessageView> decode(std::span<const std::byte> bytes);
 
@@ -251,6 +283,7 @@ std::array<std::byte, sizeof(JoinRequestBody)> encode_body(const JoinRequestBody
 std::array<std::byte, sizeof(JoinReplyBody)> encode_body(const JoinReplyBody& body);
 JoinRequestBody decode_join_request(std::span<const std::byte, sizeof(JoinRequestBody)> bytes);
 JoinReplyBody decode_join_reply(std::span<const std::byte, sizeof(JoinReplyBody)> bytes);
+std::array<std::byte, sizeof(ReplyPlacement)> encode_body(const ReplyPlacement& body);
 std::array<std::byte, 8> encode_f64(double value);
 double decode_f64(std::span<const std::byte, 8> bytes);
 

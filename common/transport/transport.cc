@@ -77,4 +77,13 @@ Status Options::validate() const {
   return ok_status();
 }
 
+Result<std::span<std::byte>> Connection::peer_memory(std::uint32_t region_id,
+                                                     std::uint64_t offset_bytes,
+                                                     std::size_t size_bytes) const {
+  return make_error(ErrorCode::kUnavailable,
+                    "peer memory (region {}, offset {}, {} bytes): this transport maps no peer "
+                    "memory; only shm does",
+                    region_id, offset_bytes, size_bytes);
+}
+
 }  // namespace ember::transport

@@ -275,6 +275,23 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   virtual bool is_closed() const noexcept = 0;
   virtual ConnectionStats stats() const noexcept = 0;
+
+  // The peer's memory, writable from here: bytes [offset_bytes, +size_bytes)
+  // of the region the peer registered as `region_id` (the id its
+  // register_memory returned). Only the shm transport maps peer memory (every
+  // region the peer registered before it connected or listened); a write
+  // through the span is seen by the peer once a message sent after the write
+  // has arrived (the lane's release/acquire orders them). For one-sided
+  // writes of replies (proto::kFlagInPlace).
+  // The span stays valid as long as this Connection object does (closing it
+  // does not unmap; the pages stay alive after the peer exits).
+  // Thread-safe (the mapping table is fixed at connect); never blocks.
+  // Errors: kUnavailable (tcp, rdma: no peer memory is mapped here);
+  // kInvalidArgument (no region `region_id`, or the range lies outside it),
+  // naming the region, offset, size and region length.
+  virtual Result<std::span<std::byte>> peer_memory(std::uint32_t region_id,
+                                                   std::uint64_t offset_bytes,
+                                                   std::size_t size_bytes) const;
 };
 
 // The server side: accepts connections and handshakes them. A Connection is

@@ -584,6 +584,16 @@ class ShmConnection final : public ConnectionCore {
     auto it = peer_regions_.find(id);
     return it == peer_regions_.end() ? nullptr : &it->second;
   }
+  Result<std::span<std::byte>> peer_memory(std::uint32_t region_id, std::uint64_t offset_bytes,
+                                           std::size_t size_bytes) const override {
+    const auto* region = peer_region(region_id);
+    if (region == nullptr) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "peer memory: the peer registered no region {} ({} regions)", region_id,
+                        peer_regions_.size());
+    }
+    return (*region)->view(offset_bytes, size_bytes);
+  }
   std::size_t payload_limit() const {
     return core_->options.batch_threshold_bytes / 8 * 8 - wire::kMinFrameBytes;
   }

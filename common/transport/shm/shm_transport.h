@@ -24,6 +24,10 @@
 //  * a large message from unregistered memory is copied through the ring in
 //    slot-sized fragments and reassembled into a receive-allocator Buffer
 //    (two copies; pass pool Buffers to avoid them).
+// One-sided writes: Connection::peer_memory gives a writable view of any
+// region the peer registered (the mapping above), so a server can write a
+// pull reply's parameters straight into the worker's destination
+// (proto::kFlagInPlace) and send only the header after them.
 // Wake-ups: a consumer spins briefly, then sets its sleeping flag and waits
 // on its doorbell eventfd (from its io_context); a producer writes the
 // doorbell only when that flag is set.

@@ -114,7 +114,21 @@ TEST_P(ServerOverTransport, LargeChunkedTensorRoundTrips) {
     for (std::uint64_t i = 0; i < n; i += 997) {
       ASSERT_EQ(out.floats()[i], static_cast<float>(i % 1000) - 1.0f) << i;
     }
+    // Pulls into pool memory (written in place over shm) and into plain
+    // memory (sent as data: the server cannot reach it) agree.
+    TensorBuffer pooled = w.allocate(n * 4);
+    std::vector<float> plain(n);
+    ASSERT_TRUE(w.pull(11, pooled.floats()).wait());
+    ASSERT_TRUE(w.pull(11, plain).wait());
+    ASSERT_EQ(std::vector<float>(pooled.floats().begin(), pooled.floats().end()), plain);
+    EXPECT_EQ(plain[5], 5.0f - 1.0f);
   });
+  // Over shm every large reply into pool memory was written in place: the
+  // 2 push_pulls and the pool pull of each worker, 4 chunks each; over tcp none.
+  const std::string text = http_get(server.metrics_address(), "/metrics");
+  const std::string expect = std::string("ember_server_replies_in_place_total ") +
+                             (std::string(GetParam()) == "shm" ? "24" : "0");
+  EXPECT_NE(text.find(expect + "\n"), std::string::npos) << expect << "\n" << text;
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ServerOverTransport, ::testing::Values("tcp", "shm"),

@@ -210,6 +210,102 @@ void expect_malformed(const std::vector<std::byte>& bytes, std::string_view need
   EXPECT_NE(m.error().message().find(needle), std::string::npos) << m.error().message();
 }
 
+// --- in place (kFlagInPlace) ---
+
+Header pull_header(std::uint64_t elements) {
+  Header h = push_header(elements);
+  h.type = MsgType::kPull;
+  return h;
+}
+
+std::vector<std::byte> placement_bytes(std::uint32_t region, std::uint64_t offset,
+                                       std::uint32_t reserved = 0) {
+  const auto b = encode_body(ReplyPlacement{region, reserved, offset});
+  return {b.begin(), b.end()};
+}
+
+TEST(Proto, InPlacePullCarriesItsPlacement) {
+  Header h = pull_header(1000);
+  h.flags = kFlagInPlace;
+  const auto bytes = encode_message(h, {}, placement_bytes(3, 0x123456789ULL));
+  // Documented layout: region at +64, reserved at +68, offset at +72, little-endian.
+  EXPECT_EQ(bytes.size(), kHeaderBytes + 16);
+  EXPECT_EQ(bytes[64], std::byte{3});
+  EXPECT_EQ(bytes[72], std::byte{0x89});
+  EXPECT_EQ(bytes[76], std::byte{0x01});
+  auto m = decode(bytes);
+  ASSERT_TRUE(m) << m.error().to_string();
+  ASSERT_TRUE(m->placement.has_value());
+  EXPECT_EQ(m->placement->region_id, 3u);
+  EXPECT_EQ(m->placement->offset_bytes, 0x123456789ULL);
+  EXPECT_TRUE(m->payload.empty());  // the placement is not tensor data
+  // A plain pull has none.
+  auto plain = decode(encode_message(pull_header(1000), {}, {}));
+  ASSERT_TRUE(plain);
+  EXPECT_FALSE(plain->placement.has_value());
+}
+
+TEST(Proto, InPlacePushPullNeedsPayloadFollows) {
+  Header h = push_header(1000);
+  h.type = MsgType::kPushPull;
+  h.flags = kFlagInPlace | kFlagPayloadFollows;
+  auto m = decode(encode_message(h, {}, placement_bytes(0, 4096)));
+  ASSERT_TRUE(m) << m.error().to_string();
+  ASSERT_TRUE(m->placement.has_value());
+  EXPECT_EQ(m->placement->offset_bytes, 4096u);
+  // With its gradient inline there is no room for a placement.
+  h.num_elements = 4;
+  h.flags = kFlagInPlace;
+  std::vector<std::byte> both = floats_bytes({1, 2, 3, 4});
+  expect_malformed(encode_message(h, {}, both), "in-place flag outside");
+}
+
+TEST(Proto, InPlaceReplyCarriesNoData) {
+  Header r = reply_header(pull_header(1000));
+  r.dtype = DType::kFloat32;
+  r.num_elements = 1000;
+  r.flags |= kFlagInPlace;
+  auto m = decode(encode_message(r, {}, {}));
+  ASSERT_TRUE(m) << m.error().to_string();
+  EXPECT_EQ(tensor_bytes(m->header), 4000u);
+  EXPECT_FALSE(m->placement.has_value());
+  expect_malformed(encode_message(r, {}, floats_bytes({1})), "expected no payload");
+  Header follows = r;
+  follows.flags |= kFlagPayloadFollows;
+  expect_malformed(encode_message(follows, {}, {}), "in-place flag on a reply");
+  Header ack = reply_header(push_header(1));
+  ack.flags |= kFlagInPlace;
+  expect_malformed(encode_message(ack, {}, {}), "in-place flag on a reply");
+  Header err = reply_header(pull_header(1));
+  err.status = ErrorCode::kNotFound;
+  err.flags |= kFlagInPlace;
+  expect_malformed(encode_message(err, {}, {}), "in-place flag on a reply");
+}
+
+TEST(ProtoDecode, RejectsMisplacedInPlaceFlag) {
+  Header push = push_header(1);
+  push.flags = kFlagInPlace;
+  expect_malformed(encode_message(push, {}, floats_bytes({1, 2, 3, 4})), "in-place flag outside");
+  Header barrier;
+  barrier.type = MsgType::kBarrier;
+  barrier.flags = kFlagInPlace;
+  expect_malformed(encode_message(barrier, {}, placement_bytes(0, 0)), "in-place flag outside");
+}
+
+TEST(ProtoDecode, RejectsBadPlacementBody) {
+  Header h = pull_header(8);
+  h.flags = kFlagInPlace;
+  expect_malformed(encode_message(h, {}, {}), "reply placement is 0 bytes");
+  auto longer = placement_bytes(0, 0);
+  longer.resize(24);
+  expect_malformed(encode_message(h, {}, longer), "reply placement is 24 bytes");
+  expect_malformed(encode_message(h, {}, placement_bytes(0, 0, 7)), "reserved field");
+  // The rest of the request is still checked.
+  h.dtype = DType::kFloat64;
+  expect_malformed(encode_message(h, {}, placement_bytes(0, 0)), "not a tensor type");
+}
+
+
 TEST(ProtoDecode, RejectsShortMessage) {
   auto b = good_push();
   b.resize(63);
@@ -384,7 +480,11 @@ TEST(ProtoDecode, AcceptedMessagesReencodeIdentically) {
     auto m = decode(b);
     if (!m) continue;
     ++accepted;
-    auto again = encode_message(m->header, m->shape(), m->payload);
+    auto again = encode_message(m->header, m->shape(),
+                                m->placement ? placement_bytes(m->placement->region_id,
+                                                               m->placement->offset_bytes)
+                                             : std::vector<std::byte>(m->payload.begin(),
+                                                                      m->payload.end()));
     ASSERT_EQ(again, b) << "seed " << seed << " iteration " << i;
   }
   EXPECT_GT(accepted, 0);

@@ -231,6 +231,70 @@ TEST_P(TransportTest, PoolBuffersAndUnregisteredMemoryBothArrive) {
   EXPECT_EQ((*send_pool)->stats().bytes_in_use, 0u);
 }
 
+TEST_P(TransportTest, PeerMemoryIsWritableOnlyOverShm) {
+  // A server writes a reply straight into the worker's registered memory
+  // (proto::kFlagInPlace) through Connection::peer_memory; the worker sees
+  // the bytes once a message sent after the write has arrived.
+  Inbox server_in, client_in;  // before the transports
+  const Mode mode = GetParam();
+  auto server_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(server_tx);
+  auto client_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(client_tx);
+  MemfdRegion client_mem(std::size_t{4} << 20);
+  auto cid = (*client_tx)->register_memory(client_mem.region());
+  ASSERT_TRUE(cid);
+  auto listener = (*server_tx)->listen(address_for(mode, "peermem"), {Role::kServer, 0},
+                                       server_in.acceptor(), server_in.handlers());
+  ASSERT_TRUE(listener);
+  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 1}, client_in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  ASSERT_TRUE(server_in.wait_accepted(1));
+  auto server_conn = server_in.accepted_at(0);
+
+  auto mem = server_conn->peer_memory(*cid, 8192, 5000);
+  if (mode.kind != Kind::kShm) {
+    ASSERT_FALSE(mem);
+    EXPECT_EQ(mem.error().code(), ErrorCode::kUnavailable) << mem.error().to_string();
+    EXPECT_FALSE((*conn)->peer_memory(0, 0, 1));  // neither side maps anything
+  } else {
+    ASSERT_TRUE(mem) << mem.error().to_string();
+    ASSERT_EQ(mem->size(), 5000u);
+    testing::fill_pattern(*mem, 0, 7);
+    const std::byte note[4] = {};
+    ASSERT_TRUE(server_conn->send(0, std::span<const std::byte>(note)));
+    ASSERT_TRUE(server_conn->flush(0));
+    ASSERT_TRUE(client_in.wait_count(0, 1));
+    const auto* base = static_cast<const std::byte*>(client_mem.region().base);
+    EXPECT_FALSE(testing::check_pattern(std::span(base + 8192, 5000), 0, 7).has_value());
+
+    // Out of range, past the end, unknown region: errors naming the range.
+    auto past = server_conn->peer_memory(*cid, (std::size_t{4} << 20) - 100, 101);
+    ASSERT_FALSE(past);
+    EXPECT_EQ(past.error().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(past.error().message().find("outside"), std::string::npos) << past.error().message();
+    auto huge = server_conn->peer_memory(*cid, ~std::uint64_t{0}, 16);
+    ASSERT_FALSE(huge);
+    EXPECT_EQ(huge.error().code(), ErrorCode::kInvalidArgument);
+    auto unknown = server_conn->peer_memory(*cid + 5, 0, 16);
+    ASSERT_FALSE(unknown);
+    EXPECT_EQ(unknown.error().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(unknown.error().message().find("no region"), std::string::npos)
+        << unknown.error().message();
+    // The server registered no memory: the worker maps none of it.
+    EXPECT_FALSE((*conn)->peer_memory(0, 0, 1));
+  }
+  (*conn)->close();
+  ASSERT_TRUE(client_in.wait_closed());
+  ASSERT_TRUE(server_in.wait_closed());
+  if (mode.kind == Kind::kShm) {
+    // Still valid after the close (the Connection object lives).
+    auto after = server_conn->peer_memory(*cid, 0, 4096);
+    ASSERT_TRUE(after);
+    (*after)[0] = std::byte{1};
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, TransportTest,
                          ::testing::Values(Mode{"tcp_writev", Kind::kTcp, ZeroCopy::kWritev},
                                            Mode{"tcp_sendfile", Kind::kTcp, ZeroCopy::kSendfile},
