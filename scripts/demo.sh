@@ -160,8 +160,19 @@ say "job: $workers worker(s) x batch $batch, $servers server(s) on ${server_list
 
 # ---------------------------------------------------------------- servers
 t_train=$SECONDS
+# The servers get the cores no worker is pinned to (launch_workers.sh pins
+# worker r to core r % cores), when there are any, so that their threads do
+# not preempt a worker's training thread; else they run unpinned.
+server_pin=()
+ncpu_all=$(nproc --all)
+spare=""
+for ((c = 0; c < ncpu_all; c++)); do
+  ((c < workers)) && continue
+  taskset -c "$c" true 2>/dev/null && spare+="${spare:+,}$c"
+done
+[[ -n $spare ]] && server_pin=(taskset -c "$spare")
 for ((i = 0; i < servers; i++)); do
-  "$server_bin" --config "$config" --set "server.server_index=$i" >"$run_dir/server-$i.log" 2>&1 &
+  "${server_pin[@]}" "$server_bin" --config "$config" --set "server.server_index=$i" >"$run_dir/server-$i.log" 2>&1 &
   server_pids+=($!)
 done
 for ((i = 0; i < servers; i++)); do

@@ -2,7 +2,8 @@
 """Training benchmark: Fashion-MNIST data-parallel training through Ember
 beside the same model trained in one process without Ember.
 
-Runs, interleaved, --reps times each:
+ember-server runs on the cores no worker is pinned to, when there are any
+(server_pinning). Runs, interleaved, --reps times each:
   baseline   fmnist-baseline, batch B        (what 1 worker computes per step)
   baseline   fmnist-baseline, batch 2B       (what 2 workers compute per step)
   ember      1 and 2 workers x tcp and shm   (ember-server + fmnist-worker, bsp,
@@ -69,6 +70,18 @@ def free_ports(n):
     return ports
 
 
+def server_pinning(workers):
+    """taskset prefix that keeps ember-server off the workers' cores.
+
+    scripts/launch_workers.sh pins worker r to core r % (number of cores);
+    the server gets the cores left (1 worker on 2 cores: the server on core
+    1), so its threads do not preempt a worker's training thread. With no
+    core left (2 workers on 2 cores) it runs unpinned."""
+    ncpu = os.cpu_count() or 1
+    spare = sorted(set(os.sched_getaffinity(0)) - {r % ncpu for r in range(workers)})
+    return ["taskset", "-c", ",".join(map(str, spare))] if spare else []
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -115,8 +128,8 @@ class Bench:
                             "--set", "optimizer.momentum=0.9"],
                            stdout=f, check=True)
         server_log = open(os.path.join(run_dir, "server.log"), "w")
-        server = subprocess.Popen([self.server, "--config", config], stdout=subprocess.PIPE,
-                                  stderr=server_log, text=True)
+        server = subprocess.Popen([*server_pinning(workers), self.server, "--config", config],
+                                  stdout=subprocess.PIPE, stderr=server_log, text=True)
         try:
             # The ready line, or EOF when the server exits; 30 s at most.
             readable, _, _ = select.select([server.stdout], [], [], 30)
