@@ -3,6 +3,8 @@
 // closed connection for that worker only, while a well-behaved worker
 // carries on. Also: --check-config on bad files, --print-config, metrics.
 #include <poll.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -30,15 +32,23 @@ using proto::MsgType;
 // A worker that speaks the protocol by hand.
 class RawClient {
  public:
-  RawClient(const std::string& address, std::uint32_t rank) : rank_(rank) {
+  // `region`: memory registered with the transport before connecting (shm
+  // shares it with the server as region 0).
+  RawClient(const std::string& address, std::uint32_t rank,
+            transport::Kind kind = transport::Kind::kTcp,
+            std::optional<transport::Transport::Region> region = std::nullopt)
+      : rank_(rank) {
     transport::Options o;
-    o.kind = transport::Kind::kTcp;
+    o.kind = kind;
     o.num_channels = 1;
     o.heartbeat_interval = 100ms;
     o.heartbeat_timeout = 5s;
     auto t = transport::Transport::create(o);
     EXPECT_TRUE(t) << t.error().to_string();
     transport_ = std::move(*t);
+    if (region) {
+      EXPECT_TRUE(transport_->register_memory(*region));
+    }
     transport::Handlers h;
     h.on_message = [this](transport::Connection&, transport::Incoming&& m) {
       std::lock_guard lock(mutex_);
@@ -81,6 +91,35 @@ class RawClient {
     if (!m) return std::nullopt;
     if (text != nullptr) *text = std::string(m->text());
     return m->header;
+  }
+  // The next message as raw bytes (a payload that follows its header);
+  // empty after 10 s or when the connection closed.
+  std::vector<std::byte> next_raw() {
+    std::unique_lock lock(mutex_);
+    if (!cv_.wait_for(lock, 10s, [&] { return !inbox_.empty() || closed_; }) || inbox_.empty()) {
+      return {};
+    }
+    std::vector<std::byte> out = std::move(inbox_.front());
+    inbox_.pop_front();
+    return out;
+  }
+  // Sends a pull of `n` floats of `key` with a reply placement.
+  void send_placed_pull(std::uint64_t key, std::uint64_t n, std::uint32_t region,
+                        std::uint64_t offset) {
+    Header h = keyed_header(proto::MsgType::kPull, key, n);
+    h.flags = proto::kFlagInPlace;
+    h.worker_rank = rank_;
+    h.request_id = ++next_id_;
+    const auto body = proto::encode_body(proto::ReplyPlacement{region, 0, offset});
+    send(proto::encode_message(h, {}, body));
+  }
+  static Header keyed_header(proto::MsgType type, std::uint64_t key, std::uint64_t n) {
+    Header h;
+    h.type = type;
+    h.dtype = proto::DType::kFloat32;
+    h.key = key;
+    h.num_elements = n;
+    return h;
   }
   // Waits for the connection to close; its reason.
   std::optional<Error> closed() {
@@ -242,6 +281,81 @@ TEST_F(BadRequests, WorkerWithAnotherClusterTableFailsToJoin) {
   ASSERT_FALSE(w);
   EXPECT_EQ(w.error().code(), ErrorCode::kConfig) << w.error().to_string();
   EXPECT_NE(w.error().message().find("[cluster]"), std::string::npos) << w.error().to_string();
+}
+
+// A reply placement (proto::kFlagInPlace) the server cannot write — past
+// the end of the worker's region, an unknown region, or over tcp, where no
+// worker memory is mapped — is ignored: the data comes as usual, one
+// warning per connection, and a good placement is written in place.
+TEST(BadRequestsInPlace, UnusablePlacementGetsTheDataInstead) {
+  for (const char* kind : {"shm", "tcp"}) {
+    SCOPED_TRACE(kind);
+    TempDir dir;
+    ClusterSpec spec;
+    spec.transport = kind;
+    spec.num_workers = 2;
+    spec.consistency = "asp";
+    ServerProcess server(dir, spec, 0);
+    ASSERT_TRUE(server.ok());
+    auto good = Worker::create(worker_config(spec, {server.address()}, 0));
+    ASSERT_TRUE(good) << good.error().to_string();
+    constexpr std::uint64_t n = 3000;  // 12000 bytes: a large reply
+    std::vector<float> init(n);
+    for (std::uint64_t i = 0; i < n; ++i) init[i] = static_cast<float>(i) * 0.5f;
+    const std::uint64_t shape[1] = {n};
+    ASSERT_TRUE((*good)->init(5, shape, init).wait());
+
+    constexpr std::size_t kRegion = std::size_t{2} << 20;
+    const int fd = ::memfd_create("ember-raw-client", MFD_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, kRegion), 0);
+    void* base = ::mmap(nullptr, kRegion, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ASSERT_NE(base, MAP_FAILED);
+    const bool shm = std::string(kind) == "shm";
+    {
+      // The shm listener's name for host:port (proto::endpoint_address).
+      RawClient c(shm ? "@ember-" + server.address() : server.address(), 1,
+                  shm ? transport::Kind::kShm : transport::Kind::kTcp,
+                  transport::Transport::Region{base, kRegion, fd});
+      auto expect_data = [&](const char* what) {
+        SCOPED_TRACE(what);
+        auto h = c.reply();
+        ASSERT_TRUE(h);
+        EXPECT_EQ(h->status, ErrorCode::kOk);
+        EXPECT_EQ(h->flags & proto::kFlagInPlace, 0);
+        ASSERT_NE(h->flags & proto::kFlagPayloadFollows, 0);
+        const std::vector<std::byte> data = c.next_raw();
+        ASSERT_EQ(data.size(), n * 4);
+        EXPECT_EQ(std::memcmp(data.data(), init.data(), data.size()), 0);
+      };
+      if (shm) {
+        c.send_placed_pull(5, n, 0, 8192);  // good: written in place
+        auto h = c.reply();
+        ASSERT_TRUE(h);
+        EXPECT_EQ(h->status, ErrorCode::kOk);
+        EXPECT_NE(h->flags & proto::kFlagInPlace, 0);
+        EXPECT_EQ(h->num_elements, n);
+        EXPECT_EQ(std::memcmp(static_cast<std::byte*>(base) + 8192, init.data(), n * 4), 0);
+      }
+      c.send_placed_pull(5, n, 0, kRegion - 100);  // runs past the end of the region
+      expect_data("past the end");
+      c.send_placed_pull(5, n, 7, 0);  // no region 7
+      expect_data("unknown region");
+      // The server and the good worker carry on.
+      std::vector<float> p(n);
+      ASSERT_TRUE((*good)->pull(5, p).wait());
+      EXPECT_EQ(p, init);
+    }
+    ::munmap(base, kRegion);
+    ::close(fd);
+    const std::string log = server.log();
+    const auto at = log.find("reply placement not usable");
+    ASSERT_NE(at, std::string::npos) << log;
+    EXPECT_EQ(log.find("reply placement not usable", at + 1), std::string::npos) << "warned twice:\n"
+                                                                                  << log;
+    EXPECT_NE(log.find(shm ? "outside the mapped region" : "only shm does"), std::string::npos)
+        << log;
+  }
 }
 
 TEST(BadRequestsBsp, PushForAClosedRoundIsStale) {
