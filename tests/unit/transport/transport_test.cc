@@ -295,6 +295,73 @@ TEST_P(TransportTest, PeerMemoryIsWritableOnlyOverShm) {
   }
 }
 
+TEST_P(TransportTest, PlaceBodyReceivesALargeMessageInTheUsersBuffer) {
+  // tcp asks Handlers::place_body where each large body goes (size rounded
+  // up to 8) and receives it there; a Buffer too small (or none) falls back
+  // to the receive allocator. shm lends large messages and never asks.
+  Inbox server_in, client_in;  // before the transports
+  const Mode mode = GetParam();
+  auto server_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(server_tx);
+  auto client_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(client_tx);
+  MemfdRegion server_mem(std::size_t{8} << 20);
+  auto sid = (*server_tx)->register_memory(server_mem.region());
+  ASSERT_TRUE(sid);
+  server_mem.set_region_id(*sid);
+  auto listener = (*server_tx)->listen(address_for(mode, "place"), {Role::kServer, 0},
+                                       server_in.acceptor(), server_in.handlers());
+  ASSERT_TRUE(listener);
+  constexpr std::size_t kExact = std::size_t{1} << 20;
+  constexpr std::size_t kOdd = kExact + 4;  // body kExact + 8
+  std::vector<std::byte> landing(kExact);
+  std::mutex mu;
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> asked;
+  std::vector<const std::byte*> landed;
+  Handlers h = client_in.handlers();
+  h.place_body = [&](Connection&, std::uint32_t channel, std::uint64_t size) -> Buffer {
+    std::lock_guard lock(mu);
+    asked.emplace_back(channel, size);
+    if (size == kExact) return Buffer::borrow(std::span(landing.data(), landing.size()));
+    return Buffer::borrow(std::span(landing.data(), 64));  // too small: ignored
+  };
+  client_in.also = [&](Connection&, Incoming& m) {
+    std::lock_guard lock(mu);
+    landed.push_back(m.bytes.data());
+  };
+  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 2}, h);
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  ASSERT_TRUE(server_in.wait_accepted(1));
+  auto server_conn = server_in.accepted_at(0);
+  const std::vector<std::size_t> sizes = {100, kExact, kOdd};
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    Buffer b = server_mem.make(sizes[i]);
+    testing::fill_pattern(b.bytes(), 1, i);
+    ASSERT_TRUE(server_conn->send(1, std::move(b)));
+  }
+  ASSERT_TRUE(server_conn->flush(1));
+  ASSERT_TRUE(client_in.wait_count(1, sizes.size()));
+  {
+    std::lock_guard lock(client_in.mu);
+    EXPECT_EQ(client_in.sizes[1], sizes);
+    for (bool ok : client_in.intact[1]) EXPECT_TRUE(ok);
+  }
+  std::lock_guard lock(mu);
+  ASSERT_EQ(landed.size(), 3u);
+  if (mode.kind == Kind::kTcp) {
+    using Ask = std::pair<std::uint32_t, std::uint64_t>;
+    EXPECT_EQ(asked, (std::vector<Ask>{{1, kExact}, {1, kExact + 8}}));
+    EXPECT_EQ(landed[1], landing.data());  // received in place
+    EXPECT_NE(landed[2], landing.data());  // fell back to the allocator
+    EXPECT_FALSE(testing::check_pattern(landing, 1, 1).has_value());
+  } else {
+    EXPECT_TRUE(asked.empty());
+    EXPECT_NE(landed[1], landing.data());
+  }
+  (*conn)->close();
+  ASSERT_TRUE(client_in.wait_closed());
+}
+
 INSTANTIATE_TEST_SUITE_P(All, TransportTest,
                          ::testing::Values(Mode{"tcp_writev", Kind::kTcp, ZeroCopy::kWritev},
                                            Mode{"tcp_sendfile", Kind::kTcp, ZeroCopy::kSendfile},
