@@ -208,7 +208,11 @@ struct Server::Impl final : ReplySink {
   // message is handed to a shard thread instead (an I/O thread must not wait
   // for the lock: the holder may be waiting for that thread to drain).
   void send_raw(const ReplyTo& to, std::span<const std::byte> bytes);
-  bool on_io_thread() const { return transport && transport->on_io_thread(); }
+  // A shard thread never is one, and must not read `transport`: shutdown()
+  // destroys it (joining the I/O threads) while the shards still drain.
+  bool on_io_thread() const {
+    return !Shard::on_shard_thread() && transport && transport->on_io_thread();
+  }
   void reply(const ReplyTo& to, const proto::Header& header, std::span<const float> values) override {
     send_message(to, header, std::as_bytes(values));
   }

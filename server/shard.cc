@@ -47,7 +47,18 @@ Shard::~Shard() {
   join();
 }
 
-void Shard::start() { thread_ = std::thread([this] { run(); }); }
+namespace {
+thread_local bool t_shard_thread = false;
+}  // namespace
+
+bool Shard::on_shard_thread() noexcept { return t_shard_thread; }
+
+void Shard::start() {
+  thread_ = std::thread([this] {
+    t_shard_thread = true;
+    run();
+  });
+}
 
 void Shard::post(ShardItem&& item) {
   // acquire pairs with the release in drain_overflow(): once the shard has

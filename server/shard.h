@@ -127,6 +127,10 @@ class Shard {
   Status set_learning_rate(double lr) { return core_.set_learning_rate(lr); }
 
   void start();
+  // True on the thread of any Shard (between start() and the thread's end).
+  // Lets the server tell shard threads from transport I/O threads without
+  // touching the transport, which shutdown destroys while shards drain.
+  static bool on_shard_thread() noexcept;
 
   // Queues an item. Never blocks: when the caller's lane is full the item
   // goes to an overflow list (a mutex and a deque) that the shard drains

@@ -330,10 +330,13 @@ TEST(WorkerClient, SendfileRepliesArriveIntactWhileTheirBlocksAreRecycled) {
 
 TEST(WorkerClient, AsioCompletionTokens) {
   LocalServer s(base_config(1));
+  // Before the worker, so destroyed after it: the worker's I/O thread may
+  // still be returning from the post() of the last completion until the
+  // worker joins it (TSan caught the io_context going first).
+  boost::asio::io_context io;
   auto w = s.worker(0);
   ASSERT_TRUE(w);
   ASSERT_TRUE(w->init(1, kShape, kInit).wait());
-  boost::asio::io_context io;
   std::vector<float> out(4);
   std::optional<Result<std::uint64_t>> pushed, pulled;
   std::promise<void> both_done;
