@@ -118,17 +118,6 @@ class PendingTable {
     s.map.erase(it);
     return r;
   }
-  // Runs fn(request) under the table's lock when `id` is pending; false
-  // otherwise. `fn` must not block.
-  template <typename Fn>
-  bool with(std::uint64_t id, Fn&& fn) {
-    Shard& s = shard(id);
-    std::lock_guard lock(s.mutex);
-    auto it = s.map.find(id);
-    if (it == s.map.end()) return false;
-    fn(it->second);
-    return true;
-  }
   // Removes every request sent to `server` over connection generation `gen`.
   std::vector<PendingReq> take_connection(std::uint32_t server, std::uint64_t gen) {
     std::vector<PendingReq> out;
@@ -354,12 +343,6 @@ struct Worker::Impl {
   void on_reply(std::uint32_t server, FollowState& follow, transport::Connection& conn,
                 transport::Incoming&& msg);
   void handle_reply(std::uint32_t server, const proto::Header& h, std::span<const std::byte> payload);
-  // transport::Handlers::place_body (tcp): the caller's tensor when the
-  // channel's next large message is the data of a pull or push_pull reply
-  // whose destination is exactly `size_bytes` long, so the kernel copies the
-  // parameters straight into it; else an empty Buffer.
-  transport::Buffer place_reply(const FollowState& follow, std::uint32_t channel,
-                                std::uint64_t size_bytes);
   void on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason);
 
   // ---- re-sending after a lost connection ----
@@ -470,10 +453,6 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   };
   handlers.on_closed = [this, s, gen](transport::Connection&, const Error& reason) {
     on_closed(s, gen, reason);
-  };
-  handlers.place_body = [this, follow](transport::Connection&, std::uint32_t channel,
-                                       std::uint64_t size) {
-    return place_reply(*follow, channel, size);
   };
   const std::uint32_t attempts = config.worker.connect_retries + 1;
   std::chrono::milliseconds backoff(50);
@@ -935,25 +914,6 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
   handle_reply(server, decoded->header, decoded->payload);
 }
 
-transport::Buffer Worker::Impl::place_reply(const FollowState& follow, std::uint32_t channel,
-                                            std::uint64_t size_bytes) {
-  if (channel >= follow.slots.size() || !follow.slots[channel]) return {};
-  const proto::Header& h = *follow.slots[channel];
-  if (h.status != ErrorCode::kOk ||
-      (h.type != proto::MsgType::kPull && h.type != proto::MsgType::kPushPull) ||
-      proto::tensor_bytes(h) != size_bytes) {
-    return {};  // not a tensor reply, or padded to 8 bytes: received as usual
-  }
-  transport::Buffer out;
-  pending.with(h.request_id, [&](PendingReq& req) {
-    if (req.dest == nullptr || req.dest_bytes != size_bytes) return;
-    std::lock_guard lock(req.op->mutex);
-    // A finished operation (timed out) may have handed its memory back.
-    if (!req.op->done) out = transport::Buffer::borrow(std::span(req.dest, req.dest_bytes));
-  });
-  return out;
-}
-
 void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
                                 std::span<const std::byte> payload) {
   auto req = pending.take(h.request_id);
@@ -1002,10 +962,7 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
         // The one copy of a pull: receive buffer → the caller's tensor. Skipped
         // when the operation already finished (timeout): the caller may have
         // reused the memory.
-        // Over tcp the data may have been received in place (place_reply).
-        if (!op.done && req->dest_bytes > 0 && payload.data() != req->dest) {
-          std::memcpy(req->dest, payload.data(), req->dest_bytes);
-        }
+        if (!op.done && req->dest_bytes > 0) std::memcpy(req->dest, payload.data(), req->dest_bytes);
       }
       op.complete_part(h.step);
       return;

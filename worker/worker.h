@@ -52,18 +52,13 @@
 // from the block; shm: by reference). A gradient in other memory is sent
 // without a copy over tcp and copied once into a pool block over shm. Small
 // chunks (below batch_threshold) are copied once into the channel's batch.
-// A pull's parameters land in `out` with one copy on this side at most:
+// A pull's parameters are copied once from the receive buffer into `out`;
 // over shm, when `out` is a pool block (allocate()) and the chunk is above
-// batch_threshold, the server writes them straight into `out`
-// (proto::kFlagInPlace: the server's copy is the only one); over tcp, a
-// chunk above batch_threshold whose size is a multiple of 8 bytes is
-// received by the kernel straight into `out` (transport::Handlers::
-// place_body); otherwise they are copied once from the receive buffer.
-// In the first two cases `out` may still be written after its Handle failed
-// with kTimeout, by a late reply, until the connection closes, and a reply
-// that fails its checksum leaves `out` undefined (the request is re-sent or
-// fails): after an error, keep `out` (or destroy the Worker) before reusing
-// it, and do not read it.
+// batch_threshold, the server writes them straight into `out` instead
+// (proto::kFlagInPlace: one copy in all, made by the server, none here).
+// Then `out` may still be written after its Handle failed with kTimeout, by
+// a late reply, until the connection closes: after a timeout, keep `out`
+// (or destroy the Worker) before reusing it.
 //
 // Lost connections. When a connection to a server closes for a reason a
 // reconnect can cure (peer reset or crash, heartbeat timeout, orderly close

@@ -92,11 +92,6 @@ class ConnectionCore : public Connection {
   // One message in: counts it and runs Handlers::on_message. I/O thread of
   // the message's channel.
   void deliver(Incoming&& message);
-  // Handlers::place_body for the next large body on `channel`, or an empty
-  // Buffer when the user set none. I/O thread of the channel.
-  Buffer place_body(std::uint32_t channel, std::uint64_t size_bytes) {
-    return handlers_.place_body ? handlers_.place_body(*this, channel, size_bytes) : Buffer();
-  }
 
   // For a Connection that never reached the user (set-up failed):
   // on_closed will not run.

@@ -6,7 +6,6 @@
 // Thread-safety: one decoder's thread (the channel's I/O thread).
 #pragma once
 
-#include <functional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -20,22 +19,9 @@ class ReceiveBodies final : public wire::BodyAllocator {
  public:
   explicit ReceiveBodies(const ReceiveAllocator* allocate) : allocate_(allocate) {}
 
-  // Asked first for each body (Handlers::place_body); an empty Buffer, or
-  // one smaller than the body, falls back to the allocator.
-  void set_placer(std::function<Buffer(std::size_t body_bytes)> placer) {
-    placer_ = std::move(placer);
-  }
-
   Result<std::span<std::byte>> allocate_body(const wire::FrameInfo& info,
                                              std::size_t body_bytes) override {
     (void)info;
-    if (placer_) {
-      if (Buffer placed = placer_(body_bytes); placed && placed.size() >= body_bytes) {
-        std::span<std::byte> span = placed.bytes().first(body_bytes);
-        pending_.emplace_back(std::move(placed));
-        return span;
-      }
-    }
     Result<Buffer> buffer = (allocate_ != nullptr && *allocate_) ? (*allocate_)(body_bytes)
                                                                  : Result<Buffer>(Buffer::heap(body_bytes));
     if (!buffer) {
@@ -69,7 +55,6 @@ class ReceiveBodies final : public wire::BodyAllocator {
 
  private:
   const ReceiveAllocator* allocate_;
-  std::function<Buffer(std::size_t)> placer_;
   std::vector<Buffer> pending_;  // at most a couple: the frame being received, one handed out
 };
 

@@ -212,19 +212,6 @@ struct Handlers {
   // were not yet written have been released (their completions ran with
   // `reason`) before this call.
   std::function<void(Connection& connection, const Error& reason)> on_closed;
-  // Optional; only tcp calls it (shm and rdma receive large messages in
-  // place already). Where the body of the next large message on `channel`
-  // goes: called on the channel's I/O thread after every earlier message of
-  // the channel went through on_message, before the body's bytes are read.
-  // `size_bytes` is the body's size: the message rounded up to 8 bytes. A
-  // Buffer of at least `size_bytes` receives the body (the message's
-  // Incoming::owned is then that Buffer, truncated to the message); an empty
-  // Buffer: the transport's receive_allocator as usual. If the frame turns
-  // out bad (checksum), the connection fails and the Buffer's bytes are
-  // undefined. Lets a client land a reply straight in its destination (the
-  // worker's pull into the caller's tensor). Must not throw or block.
-  std::function<Buffer(Connection& connection, std::uint32_t channel, std::uint64_t size_bytes)>
-      place_body;
 };
 
 // One peer, `num_channels` lanes. Made by Transport::connect() or handed to a

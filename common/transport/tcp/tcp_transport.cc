@@ -147,13 +147,7 @@ class Channel {
         encoder_(std::move(encoder)),
         bodies_(&options.receive_allocator),
         decoder_options_(with_allocator(decoder_options, &bodies_)),
-        decoder_(make_decoder(decoder_options_)) {
-    // The decoder asks for a body only after the previous frame was handed
-    // out and its messages delivered (process_frames), so the user's
-    // place_body sees every earlier message of this channel.
-    bodies_.set_placer([this](std::size_t n) { return place_body(n); });
-  }
-  Buffer place_body(std::size_t n);
+        decoder_(make_decoder(decoder_options_)) {}
 
   static wire::DecoderOptions with_allocator(wire::DecoderOptions o, wire::BodyAllocator* a) {
     o.body_allocator = a;
@@ -890,8 +884,6 @@ bool Channel::process_frames() {
     }
   }
 }
-
-Buffer Channel::place_body(std::size_t n) { return conn_->place_body(index_, n); }
 
 void Channel::handle_eof() {
   if (Status s = decoder_.end_of_stream(); !s) {
