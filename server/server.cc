@@ -664,9 +664,10 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
   // A placement this connection cannot write (not shm, outside the worker's
   // regions) is ignored: the data is sent as usual.
   std::span<std::byte> place;
-  if (to.has_placement && h.status == ErrorCode::kOk && !payload.empty() &&
+  if (to.placement && h.status == ErrorCode::kOk && !payload.empty() &&
       (h.type == proto::MsgType::kPull || h.type == proto::MsgType::kPushPull)) {
-    if (auto mem = c->conn->peer_memory(to.placement_region, to.placement_offset, payload.size())) {
+    if (auto mem = c->conn->peer_memory(to.placement->region_id, to.placement->offset_bytes,
+                                        payload.size())) {
       place = *mem;
     } else if (!c->placement_warned.exchange(true, std::memory_order_relaxed)) {
       log->warn("worker {} ({}): reply placement not usable, sending the data instead: {}",
@@ -716,11 +717,7 @@ void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::He
   ShardItem item;
   item.kind = ShardItem::Kind::kRequest;
   item.request.to = ReplyTo{c.id, channel};
-  if (placement) {
-    item.request.to.has_placement = true;
-    item.request.to.placement_region = placement->region_id;
-    item.request.to.placement_offset = placement->offset_bytes;
-  }
+  item.request.to.placement = placement;
   item.request.header = h;
   item.dims = dims;
   item.payload = std::move(payload);

@@ -108,12 +108,9 @@ namespace ember::server {
 struct ReplyTo {
   std::uint64_t connection_id = 0;
   std::uint32_t channel = 0;
-  // The request's proto::ReplyPlacement (kFlagInPlace): where in the
-  // worker's memory the reply's values may be written; unused when
-  // has_placement is false.
-  bool has_placement = false;
-  std::uint32_t placement_region = 0;
-  std::uint64_t placement_offset = 0;
+  // The request's proto::ReplyPlacement (kFlagInPlace), if any: where in
+  // the worker's memory the reply's values may be written.
+  std::optional<proto::ReplyPlacement> placement = std::nullopt;
   bool operator==(const ReplyTo&) const = default;
 };
 

@@ -195,6 +195,8 @@ struct ReplyPlacement {
   std::uint32_t region_id;  // 0
   std::uint32_t reserved;   // 4 zero
   std::uint64_t offset_bytes;  // 8
+
+  bool operator==(const ReplyPlacement&) const = default;
 };
 static_assert(sizeof(ReplyPlacement) == 16);
 static_assert(offsetof(ReplyPlacement, offset_bytes) == 8);
