@@ -379,6 +379,10 @@ struct Worker::Impl {
     auto it = keys.find(key);
     return it == keys.end() ? nullptr : it->second;
   }
+  // Whether all of [p, p + n) lies in the page pool (n > 0).
+  bool in_pool(const std::byte* p, std::size_t n) const {
+    return n > 0 && pool->contains(p) && pool->contains(p + n - 1);
+  }
   bool is_large(std::uint64_t data_bytes, const proto::Header& h) const {
     return data_bytes > 0 && proto::prefix_bytes(h) + data_bytes > small_limit;
   }
@@ -1003,8 +1007,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   std::optional<proto::ReplyPlacement> placement;
   if (kind == transport::Kind::kShm &&
       (o.header.type == proto::MsgType::kPull || (o.header.type == proto::MsgType::kPushPull && large)) &&
-      is_large(o.pending.dest_bytes, o.header) && pool->contains(o.pending.dest) &&
-      pool->contains(o.pending.dest + o.pending.dest_bytes - 1)) {
+      is_large(o.pending.dest_bytes, o.header) && in_pool(o.pending.dest, o.pending.dest_bytes)) {
     placement = proto::ReplyPlacement{region_id.load(std::memory_order_acquire), 0,
                                       static_cast<std::uint64_t>(o.pending.dest - pool->base())};
   }
@@ -1063,7 +1066,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
     if (Status s = c.send(o.channel, std::span(head.data(), prefix)); !s) return fail(s.error(), true);
     auto* bytes = const_cast<std::byte*>(o.data.data());
     transport::Buffer payload;
-    if (pool->contains(bytes) && pool->contains(bytes + o.data.size() - 1)) {
+    if (in_pool(bytes, o.data.size())) {
       transport::MemoryLocation loc;
       loc.fd = pool->fd();
       loc.fd_offset = static_cast<std::uint64_t>(bytes - pool->base());
