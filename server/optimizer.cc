@@ -107,20 +107,32 @@ Status Optimizer::check_state(const OptimizerState& state, std::size_t num_eleme
   return ok_status();
 }
 
-void Optimizer::apply(std::span<float> params, std::span<const float> grad,
-                      OptimizerState& state) const {
-  EMBER_DCHECK(params.size() == grad.size());
-  EMBER_DCHECK(state.slots.size() == num_slots());
-  const std::size_t n = params.size();
-  const std::uint64_t t = ++state.num_updates;
-  const float lr = static_cast<float>(config_.learning_rate);
-  const float wd = static_cast<float>(config_.weight_decay);
-  float* p = params.data();
-  const float* g = grad.data();
+namespace {
 
-  switch (config_.type) {
+// The gradient as read by update(): element i of one buffer, or the bsp
+// round's mean (sum[i] + last[i]) / count, formed in float as written.
+struct PlainGradient {
+  const float* g;
+  float operator[](std::size_t i) const { return g[i]; }
+};
+struct MeanGradient {
+  const float* sum;
+  const float* last;
+  float count;
+  float operator[](std::size_t i) const { return (sum[i] + last[i]) / count; }
+};
+
+// One update of `p` (n elements) with gradient `g` (formulas: optimizer.h).
+template <typename Gradient>
+void update(const config::OptimizerConfig& opt, float* p, std::size_t n, Gradient g,
+            OptimizerState& state) {
+  const std::uint64_t t = ++state.num_updates;
+  const float lr = static_cast<float>(opt.learning_rate);
+  const float wd = static_cast<float>(opt.weight_decay);
+
+  switch (opt.type) {
     case config::OptimizerType::kSgd:
-      if (config_.weight_decay == 0.0) {
+      if (opt.weight_decay == 0.0) {
         // Same result as below (g + 0 * p == g for finite p), one load less.
         for (std::size_t i = 0; i < n; ++i) p[i] -= lr * g[i];
         return;
@@ -132,10 +144,10 @@ void Optimizer::apply(std::span<float> params, std::span<const float> grad,
       return;
 
     case config::OptimizerType::kMomentum: {
-      const float mu = static_cast<float>(config_.momentum);
+      const float mu = static_cast<float>(opt.momentum);
       float* b = state.slots[0].data();
       const bool first = t == 1;
-      const bool nesterov = config_.nesterov;
+      const bool nesterov = opt.nesterov;
       for (std::size_t i = 0; i < n; ++i) {
         float gi = g[i] + wd * p[i];
         b[i] = first ? gi : mu * b[i] + gi;
@@ -147,17 +159,17 @@ void Optimizer::apply(std::span<float> params, std::span<const float> grad,
 
     case config::OptimizerType::kAdam:
     case config::OptimizerType::kAdamW: {
-      const bool decoupled = config_.type == config::OptimizerType::kAdamW;
-      const float b1 = static_cast<float>(config_.beta1);
-      const float b2 = static_cast<float>(config_.beta2);
-      const float one_minus_b1 = static_cast<float>(1.0 - config_.beta1);
-      const float one_minus_b2 = static_cast<float>(1.0 - config_.beta2);
-      const double bc1 = 1.0 - std::pow(config_.beta1, static_cast<double>(t));
-      const double bc2 = 1.0 - std::pow(config_.beta2, static_cast<double>(t));
-      const float step_size = static_cast<float>(config_.learning_rate / bc1);
+      const bool decoupled = opt.type == config::OptimizerType::kAdamW;
+      const float b1 = static_cast<float>(opt.beta1);
+      const float b2 = static_cast<float>(opt.beta2);
+      const float one_minus_b1 = static_cast<float>(1.0 - opt.beta1);
+      const float one_minus_b2 = static_cast<float>(1.0 - opt.beta2);
+      const double bc1 = 1.0 - std::pow(opt.beta1, static_cast<double>(t));
+      const double bc2 = 1.0 - std::pow(opt.beta2, static_cast<double>(t));
+      const float step_size = static_cast<float>(opt.learning_rate / bc1);
       const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-      const float eps = static_cast<float>(config_.epsilon);
-      const float decay = static_cast<float>(1.0 - config_.learning_rate * config_.weight_decay);
+      const float eps = static_cast<float>(opt.epsilon);
+      const float decay = static_cast<float>(1.0 - opt.learning_rate * opt.weight_decay);
       float* m = state.slots[0].data();
       float* v = state.slots[1].data();
       for (std::size_t i = 0; i < n; ++i) {
@@ -176,7 +188,7 @@ void Optimizer::apply(std::span<float> params, std::span<const float> grad,
     }
 
     case config::OptimizerType::kAdagrad: {
-      const float eps = static_cast<float>(config_.epsilon);
+      const float eps = static_cast<float>(opt.epsilon);
       float* s = state.slots[0].data();
       for (std::size_t i = 0; i < n; ++i) {
         const float gi = g[i] + wd * p[i];
@@ -186,6 +198,25 @@ void Optimizer::apply(std::span<float> params, std::span<const float> grad,
       return;
     }
   }
+}
+
+}  // namespace
+
+void Optimizer::apply(std::span<float> params, std::span<const float> grad,
+                      OptimizerState& state) const {
+  EMBER_DCHECK(params.size() == grad.size());
+  EMBER_DCHECK(state.slots.size() == num_slots());
+  update(config_, params.data(), params.size(), PlainGradient{grad.data()}, state);
+}
+
+void Optimizer::apply_mean(std::span<float> params, std::span<const float> sum,
+                           std::span<const float> last, std::uint32_t count,
+                           OptimizerState& state) const {
+  EMBER_DCHECK(params.size() == sum.size() && params.size() == last.size());
+  EMBER_DCHECK(state.slots.size() == num_slots());
+  EMBER_DCHECK(count >= 2);
+  update(config_, params.data(), params.size(),
+         MeanGradient{sum.data(), last.data(), static_cast<float>(count)}, state);
 }
 
 }  // namespace ember::server

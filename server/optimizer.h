@@ -76,6 +76,15 @@ class Optimizer {
   // check_state). No allocation.
   void apply(std::span<float> params, std::span<const float> grad, OptimizerState& state) const;
 
+  // The same update with the gradient (sum[i] + last[i]) / count, each
+  // element formed in float32 as written: bit for bit what apply() gives on a
+  // buffer holding those values, without writing that buffer (one pass over
+  // memory instead of three). For a bsp round: `sum` holds the first
+  // count - 1 contributions added in rank order, `last` the last one.
+  // pre: the three spans have one size, count >= 2, state fits. No allocation.
+  void apply_mean(std::span<float> params, std::span<const float> sum,
+                  std::span<const float> last, std::uint32_t count, OptimizerState& state) const;
+
  private:
   explicit Optimizer(const config::OptimizerConfig& config) : config_(config) {}
   config::OptimizerConfig config_;

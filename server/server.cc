@@ -111,12 +111,14 @@ struct Server::Impl final : ReplySink {
   std::unique_ptr<memory::PagePool> pool;
   std::atomic<std::uint32_t> region_id{transport::MemoryLocation::kNoRegion};
   std::uint64_t small_message_limit = 0;
+  transport::Kind transport_kind = transport::Kind::kTcp;  // set in start(), before the shards
 
   metrics::Registry registry;
   metrics::Counter* bad_messages = nullptr;
   metrics::Counter* checksum_failures = nullptr;
   metrics::Counter* error_replies = nullptr;
   metrics::Counter* replies_in_place = nullptr;
+  metrics::Counter* replies_lent = nullptr;
   metrics::Counter* checkpoints_written = nullptr;
   metrics::Gauge* workers_connected = nullptr;
   metrics::Gauge* bytes_in = nullptr;
@@ -203,7 +205,11 @@ struct Server::Impl final : ReplySink {
 
   // ---- replies (shard threads, I/O threads, checkpoint thread) ----
 
-  void send_message(const ReplyTo& to, const proto::Header& h, std::span<const std::byte> payload);
+  // `lease`: `payload` stays valid and unchanged while it is held
+  // (ReplySink::reply_lent); a large reply over tcp is then sent from it
+  // without a copy. Null: `payload` is valid only during the call.
+  void send_message(const ReplyTo& to, const proto::Header& h, std::span<const std::byte> payload,
+                    std::shared_ptr<const void> lease = nullptr);
   // Sends encoded bytes under the channel's send lock; from an I/O thread the
   // message is handed to a shard thread instead (an I/O thread must not wait
   // for the lock: the holder may be waiting for that thread to drain).
@@ -215,6 +221,10 @@ struct Server::Impl final : ReplySink {
   }
   void reply(const ReplyTo& to, const proto::Header& header, std::span<const float> values) override {
     send_message(to, header, std::as_bytes(values));
+  }
+  void reply_lent(const ReplyTo& to, const proto::Header& header, std::span<const float> values,
+                  std::shared_ptr<const void> lease) override {
+    send_message(to, header, std::as_bytes(values), std::move(lease));
   }
   void error(const ReplyTo& to, const proto::Header& request, const Error& err) override;
   // Whether this is the first kOutOfStep refusal of (rank, key, chunk) (then it is logged).
@@ -252,6 +262,10 @@ void Server::Impl::make_metrics() {
       "ember_server_replies_in_place_total",
       "Pull and push_pull replies whose parameters were written straight into the worker's "
       "memory (shm, proto kFlagInPlace)");
+  replies_lent = &registry.counter(
+      "ember_server_replies_zero_copy_total",
+      "Large pull and push_pull replies sent over tcp straight from the parameter store, "
+      "without a copy (bsp)");
   checkpoints_written =
       &registry.counter("ember_server_checkpoints_written_total", "Checkpoints written");
   workers_connected =
@@ -369,6 +383,8 @@ Status Server::Impl::init(const config::Config& cfg) {
     return make_error(ErrorCode::kConfig, "optimizer: {}", optimizer.error().message());
   }
 
+  EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config));
+  transport_kind = topts.kind;
   for (std::uint32_t i = 0; i < sc.num_shards; ++i) {
     ShardOptions so;
     so.index = i;
@@ -378,6 +394,8 @@ Status Server::Impl::init(const config::Config& cfg) {
     so.core.loss_policy = to_proto(sc.on_worker_loss);
     so.core.worker_timeout = sc.worker_timeout;
     so.core.name = fmt::format("server {} shard {}", sc.server_index, i);
+    so.core.lend_params =
+        transport_kind == transport::Kind::kTcp && sc.consistency == config::Consistency::kBsp;
     so.has_barrier = i == 0 && sc.server_index == 0;
     if (!sc.shard_cpu_affinity.empty()) {
       so.cpu = sc.shard_cpu_affinity[i % sc.shard_cpu_affinity.size()];
@@ -412,7 +430,6 @@ Status Server::Impl::init(const config::Config& cfg) {
   for (auto& s : shards) s->start();
 
   // Transport and listener.
-  EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config));
   topts.receive_allocator = [this](std::uint64_t size) -> Result<transport::Buffer> {
     return proto::pool_receive_allocator(*pool, region_id.load(std::memory_order_acquire))(size);
   };
@@ -648,7 +665,8 @@ void Server::Impl::send_raw(const ReplyTo& to, std::span<const std::byte> bytes)
 }
 
 void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
-                                std::span<const std::byte> payload) {
+                                std::span<const std::byte> payload,
+                                std::shared_ptr<const void> lease) {
   if (on_io_thread()) {
     send_raw(to, proto::encode_message(h, {}, payload));
     return;
@@ -691,15 +709,24 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     s = c->conn->send(to.channel, buf);
   } else {
     // Header, then the data as the next message in a block of exactly its
-    // size. The one copy of a pull reply: the parameters as of now, into
-    // pool memory (they change after this call).
+    // size. Over tcp a lent payload goes out from the parameter store (the
+    // lease keeps it unchanged until the send completes). Otherwise the one
+    // copy of a pull reply: the parameters as of now, into pool memory (shm
+    // and rdma send from the pool only; the parameters change after this call).
     proto::Header head = h;
     head.flags |= proto::kFlagPayloadFollows;
     std::array<std::byte, proto::kHeaderBytes> hb;
     proto::encode_prefix(head, {}, hb);
-    transport::Buffer b =
-        proto::allocate_buffer(*pool, payload.size(), region_id.load(std::memory_order_acquire));
-    std::memcpy(b.data(), payload.data(), payload.size());
+    transport::Buffer b;
+    if (lease && transport_kind == transport::Kind::kTcp) {
+      // The transport only reads a Buffer it sends.
+      std::span<std::byte> bytes{const_cast<std::byte*>(payload.data()), payload.size()};
+      b = transport::Buffer::adopt(bytes, {}, std::move(lease));
+      replies_lent->inc();
+    } else {
+      b = proto::allocate_buffer(*pool, payload.size(), region_id.load(std::memory_order_acquire));
+      std::memcpy(b.data(), payload.data(), payload.size());
+    }
     s = c->conn->send(to.channel, hb);
     if (s) {
       s = c->conn->send(to.channel, std::move(b));

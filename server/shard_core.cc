@@ -2,6 +2,7 @@
 #include "server/shard_core.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -93,12 +94,40 @@ void ShardCore::refuse_out_of_step(Entry& e, const Request& request, std::uint64
                                h.worker_rank, at, e.id.key, at, at)));
 }
 
-void ShardCore::reply_params(const Entry& e, const Request& request, ReplySink& sink) {
+void ShardCore::reply_params(Entry& e, const Request& request, ReplySink& sink) {
   proto::Header r = proto::reply_header(request.header);
   r.dtype = e.dtype;
   r.num_elements = e.params.size();
   r.step = resume_step(e, request.header.worker_rank);
-  sink.reply(request.to, r, e.params);
+  if (!options_.lend_params || e.params.empty()) {
+    sink.reply(request.to, r, e.params);
+    return;
+  }
+  if (!e.lent) e.lent = std::make_shared<LentParams>();
+  ++replies_lent_;
+  sink.reply_lent(request.to, r, e.params, e.lent);
+}
+
+void ShardCore::unlend(Entry& e) {
+  if (!e.lent) return;
+  // Only this thread hands out the lease, so a count of 1 (ours) means every
+  // lent reply has dropped it. Their drop is a release decrement (in
+  // ~shared_ptr), after their last read of the bytes; use_count() loads
+  // relaxed, and the acquire fence orders the writes that follow after those
+  // reads.
+  if (e.lent.use_count() == 1) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return;
+  }
+  e.lent->parked = std::move(e.params);
+  // Moving a vector keeps its heap buffer: the lent replies still read it.
+  e.params.assign(e.lent->parked.begin(), e.lent->parked.end());
+  e.lent.reset();
+  ++lent_copies_;
+}
+
+ShardCore::Entry::~Entry() {
+  if (lent && lent.use_count() > 1) lent->parked = std::move(params);
 }
 
 void ShardCore::reply_init(const Entry& e, const Request& request,
@@ -191,6 +220,7 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
     return PushOutcome::kDuplicate;
   }
   if (options_.consistency != proto::Consistency::kBsp) {
+    unlend(e);
     optimizer_.apply(e.params, gradient.values(), e.optimizer);
     gradient.reset();
     ++e.version;
@@ -234,23 +264,30 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
   return PushOutcome::kRecorded;
 }
 
+void ShardCore::fold(Entry& e, Round& round, std::uint32_t rank) {
+  const std::span<const float> v = round.held[rank].values();
+  const std::size_t n = e.params.size();
+  if (e.num_folded == 0) {
+    if (n != 0) std::memcpy(e.sum.data(), v.data(), n * sizeof(float));
+  } else {
+    float* s = e.sum.data();
+    for (std::size_t i = 0; i < n; ++i) s[i] += v[i];
+  }
+  round.held[rank].reset();
+  ++e.num_folded;
+}
+
 void ShardCore::fold_ready(Entry& e) {
   // One worker: the single contribution is applied straight from its buffer.
   if (options_.num_workers == 1 || e.rounds.empty()) return;
   auto it = e.rounds.begin();
   if (it->first != e.version) return;
+  // A complete round is folded by complete_rounds, whose optimizer pass adds
+  // the last contribution itself.
+  if (round_complete(e)) return;
   Round& round = it->second;
-  const std::size_t n = e.params.size();
   while (e.next_fold < options_.num_workers && round.pushed[e.next_fold]) {
-    const std::span<const float> v = round.held[e.next_fold].values();
-    if (e.num_folded == 0) {
-      if (n != 0) std::memcpy(e.sum.data(), v.data(), n * sizeof(float));
-    } else {
-      float* s = e.sum.data();
-      for (std::size_t i = 0; i < n; ++i) s[i] += v[i];
-    }
-    round.held[e.next_fold].reset();
-    ++e.num_folded;
+    fold(e, round, e.next_fold);
     ++e.next_fold;
   }
 }
@@ -272,34 +309,40 @@ void ShardCore::complete_rounds(Entry& e) {
     auto it = e.rounds.begin();
     Round& round = it->second;
     const std::size_t n = e.params.size();
-    std::span<const float> grad;
+    unlend(e);
     if (e.num_folded == 0 && round.num_contributions == 1) {
       for (std::uint32_t r = 0; r < options_.num_workers; ++r) {
-        if (round.pushed[r]) grad = round.held[r].values();
+        if (round.pushed[r]) optimizer_.apply(e.params, round.held[r].values(), e.optimizer);
       }
     } else {
       if (e.sum.size() != n) e.sum.assign(n, 0.0f);
-      // Rank order: ranks below next_fold are in; fold the rest ascending.
+      // Rank order: ranks below next_fold are in `sum`; fold the rest
+      // ascending but the last, which apply_mean adds in its pass. The mean
+      // is (((g0 + g1) + g2) + ...) / count in float32 either way.
+      std::optional<std::uint32_t> last;
       for (std::uint32_t r = e.next_fold; r < options_.num_workers; ++r) {
         if (!round.pushed[r]) continue;
-        const std::span<const float> v = round.held[r].values();
-        if (e.num_folded == 0) {
-          if (n != 0) std::memcpy(e.sum.data(), v.data(), n * sizeof(float));
-        } else {
+        if (last) fold(e, round, *last);
+        last = r;
+      }
+      if (last && e.num_folded > 0) {
+        optimizer_.apply_mean(e.params, e.sum, round.held[*last].values(), e.num_folded + 1,
+                              e.optimizer);
+        round.held[*last].reset();
+      } else if (last) {
+        // Its one contribution (the others' ranks were excluded).
+        optimizer_.apply(e.params, round.held[*last].values(), e.optimizer);
+      } else {
+        // Everything was folded before the round completed (a rank it
+        // waited for was excluded since).
+        if (e.num_folded > 1) {
+          const float count = static_cast<float>(e.num_folded);
           float* s = e.sum.data();
-          for (std::size_t i = 0; i < n; ++i) s[i] += v[i];
+          for (std::size_t i = 0; i < n; ++i) s[i] /= count;
         }
-        round.held[r].reset();
-        ++e.num_folded;
+        optimizer_.apply(e.params, e.sum, e.optimizer);
       }
-      if (e.num_folded > 1) {
-        const float count = static_cast<float>(e.num_folded);
-        float* s = e.sum.data();
-        for (std::size_t i = 0; i < n; ++i) s[i] /= count;
-      }
-      grad = e.sum;
     }
-    optimizer_.apply(e.params, grad, e.optimizer);
     pushes_applied_ += round.num_contributions;
     ++rounds_completed_;
     ++e.version;
@@ -554,6 +597,8 @@ CoreStats ShardCore::stats() const {
   s.pushes_applied = pushes_applied_;
   s.pushes_duplicate = pushes_duplicate_;
   s.rounds_completed = rounds_completed_;
+  s.replies_lent = replies_lent_;
+  s.lent_copies = lent_copies_;
   return s;
 }
 

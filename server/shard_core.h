@@ -121,7 +121,7 @@ struct Request {
 
 // Receives the core's replies. Called synchronously from inside ShardCore
 // calls; `values` is valid only during the call (the sender copies it into
-// its send buffer).
+// its send buffer), except in reply_lent.
 class ReplySink {
  public:
   virtual ~ReplySink() = default;
@@ -129,6 +129,16 @@ class ReplySink {
   // num_elements set when values flow).
   virtual void reply(const ReplyTo& to, const proto::Header& reply,
                      std::span<const float> values) = 0;
+  // The same reply, with `values` lent (CoreOptions::lend_params): they stay
+  // valid and unchanged for as long as the sink keeps a copy of `lease`, from
+  // any thread, so the sender may send them without copying and drop the
+  // lease when the send completes. Dropping it is thread-safe. The default
+  // copies, like reply().
+  virtual void reply_lent(const ReplyTo& to, const proto::Header& reply,
+                          std::span<const float> values, std::shared_ptr<const void> lease) {
+    (void)lease;
+    this->reply(to, reply, values);
+  }
   // An error reply to `request`. For kOutOfStep, `request.step` is the step
   // the server expects (the reply carries it), not the step asked.
   virtual void error(const ReplyTo& to, const proto::Header& request, const Error& error) = 0;
@@ -144,6 +154,14 @@ struct CoreOptions {
   std::uint64_t max_steps_ahead = 64;
   // For messages: "server 0 shard 1".
   std::string name = "shard";
+  // Parameter replies go out through ReplySink::reply_lent: the sender reads
+  // the parameter store itself, without a copy. When the parameters must
+  // change while a lent reply is still in flight, the core moves the lent
+  // bytes aside for that reply and updates a copy (copy on write; counted in
+  // CoreStats::lent_copies). Worth it when such overlaps are rare: under bsp
+  // a round completes only after every worker's next push, which normally
+  // follows its reply. The server sets it for tcp under bsp.
+  bool lend_params = false;
 };
 
 // One entry as saved in and restored from a checkpoint.
@@ -169,6 +187,8 @@ struct CoreStats {
   std::uint64_t pushes_duplicate = 0;   // re-sent pushes acknowledged without effect
   std::uint64_t rounds_completed = 0;   // optimizer applications
   std::uint64_t parked_requests = 0;    // requests waiting now
+  std::uint64_t replies_lent = 0;       // parameter replies sent without a copy (lend_params)
+  std::uint64_t lent_copies = 0;        // updates that found a lent reply in flight and copied
 };
 
 class ShardCore {
@@ -248,6 +268,12 @@ class ShardCore {
     std::vector<std::uint8_t> pushed;   // per rank
     std::uint32_t num_contributions = 0;
   };
+  // What lent replies hold: `parked` receives the entry's parameter storage
+  // when it must change (or the entry goes) while they are in flight, and is
+  // freed with the last of them.
+  struct LentParams {
+    std::vector<float> parked;
+  };
   struct Entry {
     EntryId id{};
     std::uint32_t num_chunks = 1;
@@ -255,9 +281,18 @@ class ShardCore {
     proto::DType dtype = proto::DType::kFloat32;
     std::vector<std::uint64_t> shape;
     std::vector<float> params;
+    // lend_params: held by every reply that lent `params`; while another
+    // holder exists, `params` must not change (see unlend).
+    std::shared_ptr<LentParams> lent;
     OptimizerState optimizer;
     std::uint64_t version = 0;
     std::vector<std::uint64_t> clocks;
+
+    Entry() = default;
+    Entry(const Entry&) = delete;
+    Entry& operator=(const Entry&) = delete;
+    // Leaves `params` to the replies still reading them.
+    ~Entry();
     // bsp
     std::map<std::uint64_t, Round> rounds;  // by step; begin() is `version` when present
     std::vector<float> sum;                 // running sum of the open round
@@ -273,12 +308,21 @@ class ShardCore {
   Entry* find(const Request& request, ReplySink& sink);
   Status check_layout(const Entry& e, const proto::Header& h) const;
   std::uint64_t resume_step(const Entry& e, std::uint32_t rank) const;
-  void reply_params(const Entry& e, const Request& request, ReplySink& sink);
+  void reply_params(Entry& e, const Request& request, ReplySink& sink);
+  // Call before `e.params` change. When a lent reply may still be reading
+  // them, moves their storage to the replies' lease and leaves a copy in
+  // `e.params` (allocates); otherwise does nothing.
+  void unlend(Entry& e);
   void reply_init(const Entry& e, const Request& request, std::span<const std::uint64_t> shape,
                   ReplySink& sink);
   // Records a push; returns false (and replied with an error) when refused.
   enum class PushOutcome : std::uint8_t { kRecorded, kDuplicate, kRefused };
   PushOutcome record_push(Entry& e, const Request& request, Payload gradient, ReplySink& sink);
+  // Adds rank's held contribution to `sum` (the first one is copied) and
+  // releases its buffer.
+  void fold(Entry& e, Round& round, std::uint32_t rank);
+  // Folds the open round's contributions that are next in rank order, unless
+  // the round is complete (complete_rounds folds those).
   void fold_ready(Entry& e);
   bool round_complete(const Entry& e) const;
   void complete_rounds(Entry& e);
@@ -305,6 +349,8 @@ class ShardCore {
   std::uint64_t pushes_applied_ = 0;
   std::uint64_t pushes_duplicate_ = 0;
   std::uint64_t rounds_completed_ = 0;
+  std::uint64_t replies_lent_ = 0;
+  std::uint64_t lent_copies_ = 0;
 };
 
 }  // namespace ember::server

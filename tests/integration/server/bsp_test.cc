@@ -129,6 +129,12 @@ TEST_P(ServerOverTransport, LargeChunkedTensorRoundTrips) {
   const std::string expect = std::string("ember_server_replies_in_place_total ") +
                              (std::string(GetParam()) == "shm" ? "24" : "0");
   EXPECT_NE(text.find(expect + "\n"), std::string::npos) << expect << "\n" << text;
+  // Over tcp (bsp) every reply larger than a batch went out from the
+  // parameter store without a copy: 4 replies of each worker, 4 chunks each
+  // (the last, 4,000 bytes plus its header, is over the 4 KiB batch limit).
+  const std::string lent = std::string("ember_server_replies_zero_copy_total ") +
+                           (std::string(GetParam()) == "tcp" ? "32" : "0");
+  EXPECT_NE(text.find(lent + "\n"), std::string::npos) << lent << "\n" << text;
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ServerOverTransport, ::testing::Values("tcp", "shm"),

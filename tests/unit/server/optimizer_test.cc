@@ -141,9 +141,9 @@ struct Reference {
 
 class OptimizerVsReference : public ::testing::TestWithParam<int> {};
 
-TEST_P(OptimizerVsReference, TenStepsMatchDoubleReference) {
+OptimizerConfig config_of(int which) {
   OptimizerConfig c;
-  switch (GetParam()) {
+  switch (which) {
     case 0: c.type = OptimizerType::kSgd; break;
     case 1: c.type = OptimizerType::kMomentum; break;
     case 2: c.type = OptimizerType::kMomentum; c.nesterov = true; break;
@@ -154,6 +154,11 @@ TEST_P(OptimizerVsReference, TenStepsMatchDoubleReference) {
   c.learning_rate = 0.05;
   c.weight_decay = 0.01;
   c.initial_accumulator = 0.1;
+  return c;
+}
+
+TEST_P(OptimizerVsReference, TenStepsMatchDoubleReference) {
+  const OptimizerConfig c = config_of(GetParam());
   auto opt = Optimizer::create(c);
   ASSERT_TRUE(opt) << opt.error().to_string();
   const std::uint64_t seed = std::random_device{}();
@@ -175,6 +180,43 @@ TEST_P(OptimizerVsReference, TenStepsMatchDoubleReference) {
   EXPECT_EQ(s.num_updates, 10u);
   for (std::size_t i = 0; i < n; ++i) {
     ASSERT_NEAR(p[i], ref.p[i], 1e-4 * (1.0 + std::abs(ref.p[i]))) << "seed " << seed << " i " << i;
+  }
+}
+
+// apply_mean(sum, last, count) is apply() on the buffer (sum + last) / count,
+// bit for bit, parameters and state, for 2 and 3 contributions.
+TEST_P(OptimizerVsReference, ApplyMeanIsApplyOnTheMeanBitForBit) {
+  const OptimizerConfig c = config_of(GetParam());
+  auto opt = Optimizer::create(c);
+  ASSERT_TRUE(opt) << opt.error().to_string();
+  const std::uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  const std::size_t n = 1031;
+  std::vector<float> p_fused(n);
+  for (auto& x : p_fused) x = dist(rng);
+  std::vector<float> p_plain = p_fused;
+  OptimizerState s_fused = opt->make_state(n);
+  OptimizerState s_plain = opt->make_state(n);
+  for (std::uint32_t step = 0; step < 6; ++step) {
+    const std::uint32_t count = 2 + step % 2;
+    std::vector<std::vector<float>> g(count, std::vector<float>(n));
+    for (auto& v : g) {
+      for (auto& x : v) x = dist(rng);
+    }
+    std::vector<float> sum = g[0];
+    for (std::uint32_t r = 1; r + 1 < count; ++r) {
+      for (std::size_t i = 0; i < n; ++i) sum[i] += g[r][i];
+    }
+    std::vector<float> mean = sum;
+    for (std::size_t i = 0; i < n; ++i) {
+      mean[i] += g[count - 1][i];
+      mean[i] /= static_cast<float>(count);
+    }
+    opt->apply_mean(p_fused, sum, g[count - 1], count, s_fused);
+    opt->apply(p_plain, mean, s_plain);
+    ASSERT_EQ(p_fused, p_plain) << "seed " << seed << " step " << step;
+    ASSERT_EQ(s_fused, s_plain) << "seed " << seed << " step " << step;
   }
 }
 

@@ -3,6 +3,7 @@
 #include "server/shard_core.h"
 
 #include <algorithm>
+#include <memory>
 #include <random>
 
 #include <fmt/format.h>
@@ -22,15 +23,23 @@ struct Sent {
   std::vector<float> values;
   bool is_error = false;
   Error error;
+  // reply_lent: the lent values (not a copy) and the lease keeping them.
+  std::span<const float> lent;
+  std::shared_ptr<const void> lease;
 };
 
 class RecordingSink : public ReplySink {
  public:
   void reply(const ReplyTo& to, const Header& reply, std::span<const float> values) override {
-    sent.push_back(Sent{to, reply, {values.begin(), values.end()}, false, {}});
+    sent.push_back(Sent{to, reply, {values.begin(), values.end()}, false, {}, {}, nullptr});
+  }
+  void reply_lent(const ReplyTo& to, const Header& reply, std::span<const float> values,
+                  std::shared_ptr<const void> lease) override {
+    sent.push_back(Sent{to, reply, {values.begin(), values.end()}, false, {}, values,
+                        std::move(lease)});
   }
   void error(const ReplyTo& to, const Header& request, const Error& error) override {
-    sent.push_back(Sent{to, request, {}, true, error});
+    sent.push_back(Sent{to, request, {}, true, error, {}, nullptr});
   }
   std::vector<Sent> take() { return std::exchange(sent, {}); }
   std::vector<Sent> sent;
@@ -681,6 +690,94 @@ TEST_F(ShardCoreTest, RestoreRefusesStateOfAnotherOptimizer) {
 }
 
 // --- barrier ---
+
+TEST_F(ShardCoreTest, ShrinkAfterTheOtherRanksWereFoldedStillAverages) {
+  make(opts(3, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  init(1, {0});
+  push(0, 1, 0, {3});
+  push(1, 1, 0, {5});  // ranks 0 and 1 are folded; the round waits for rank 2
+  pull(0, 1, 1, 1);
+  sink.take();
+  core->on_worker_lost(2, kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].values, std::vector<float>{-4});  // (3 + 5) / 2
+}
+
+CoreOptions lending(std::uint32_t workers) {
+  CoreOptions o = opts(workers);
+  o.lend_params = true;
+  return o;
+}
+
+// lend_params: a reply still in flight (its lease held) when the next round
+// completes keeps reading the old parameters; the round updates a copy.
+TEST_F(ShardCoreTest, LentReplyKeepsItsValuesWhileTheNextRoundUpdatesACopy) {
+  make(lending(2));
+  const std::size_t n = 1 << 20;  // large enough for its own mapping
+  init(1, std::vector<float>(n, 1.0f));
+  push(0, 1, 0, std::vector<float>(n, 1.0f));
+  push(1, 1, 0, std::vector<float>(n, 3.0f));
+  pull(0, 1, 1, n);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 3u);
+  const Sent in_flight = s[2];
+  ASSERT_TRUE(in_flight.lease);
+  ASSERT_EQ(in_flight.lent.size(), n);
+  EXPECT_EQ(in_flight.lent[0], -1.0f);  // 1 - (1 + 3) / 2
+
+  push(0, 1, 1, std::vector<float>(n, 2.0f));
+  push(1, 1, 1, std::vector<float>(n, 2.0f));
+  sink.take();
+  EXPECT_EQ(core->stats().lent_copies, 1u);
+  EXPECT_EQ(core->stats().rounds_completed, 2u);
+  // The lent bytes are still step 1's, everywhere.
+  EXPECT_EQ(std::count(in_flight.lent.begin(), in_flight.lent.end(), -1.0f),
+            static_cast<std::ptrdiff_t>(n));
+  pull(0, 1, 2, n);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].values[0], -3.0f);  // -1 - 2
+  EXPECT_EQ(s[0].values[n - 1], -3.0f);
+  EXPECT_NE(s[0].lent.data(), in_flight.lent.data());
+}
+
+TEST_F(ShardCoreTest, LentReplyReturnedBeforeTheNextRoundCostsNoCopy) {
+  make(lending(2));
+  init(1, {1, 1});
+  for (std::uint64_t t = 0; t < 3; ++t) {
+    push(0, 1, t, {1, 1});
+    push(1, 1, t, {1, 1});
+    pull(0, 1, t + 1, 2);
+    auto s = sink.take();  // the leases go with `s`
+    ASSERT_EQ(s.size(), 3u);
+    EXPECT_TRUE(s[2].lease);
+    EXPECT_EQ(s[2].values, (std::vector<float>{-static_cast<float>(t), -static_cast<float>(t)}));
+  }
+  EXPECT_EQ(core->stats().replies_lent, 3u);
+  EXPECT_EQ(core->stats().lent_copies, 0u);
+}
+
+TEST_F(ShardCoreTest, LentValuesOutliveTheCore) {
+  make(lending(1));
+  const std::size_t n = 1 << 20;
+  init(1, std::vector<float>(n, 7.0f));
+  pull(0, 1, 0, n);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  core.reset();  // e.g. a server shutting down with the send still queued
+  EXPECT_EQ(std::count(s[0].lent.begin(), s[0].lent.end(), 7.0f), static_cast<std::ptrdiff_t>(n));
+}
+
+TEST_F(ShardCoreTest, WithoutLendParamsRepliesAreCopies) {
+  make(opts(1));
+  init(1, {1, 2});
+  pull(0, 1, 0, 2);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_FALSE(s[0].lease);
+  EXPECT_EQ(core->stats().replies_lent, 0u);
+}
 
 TEST(BarrierCore, ReleasesEveryoneWhenAllArrive) {
   BarrierCore b(3, proto::LossPolicy::kWait, std::chrono::seconds(1));
