@@ -265,16 +265,25 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
 }
 
 void ShardCore::fold(Entry& e, Round& round, std::uint32_t rank) {
-  const std::span<const float> v = round.held[rank].values();
+  EMBER_DCHECK(e.num_folded > 0);
+  const float* v = round.held[rank].values().data();
+  float* s = e.sum.data();
   const std::size_t n = e.params.size();
-  if (e.num_folded == 0) {
-    if (n != 0) std::memcpy(e.sum.data(), v.data(), n * sizeof(float));
-  } else {
-    float* s = e.sum.data();
-    for (std::size_t i = 0; i < n; ++i) s[i] += v[i];
-  }
+  for (std::size_t i = 0; i < n; ++i) s[i] += v[i];
   round.held[rank].reset();
   ++e.num_folded;
+}
+
+void ShardCore::fold_pair(Entry& e, Round& round, std::uint32_t first, std::uint32_t second) {
+  EMBER_DCHECK(e.num_folded == 0);
+  const float* a = round.held[first].values().data();
+  const float* b = round.held[second].values().data();
+  float* s = e.sum.data();
+  const std::size_t n = e.params.size();
+  for (std::size_t i = 0; i < n; ++i) s[i] = a[i] + b[i];
+  round.held[first].reset();
+  round.held[second].reset();
+  e.num_folded = 2;
 }
 
 void ShardCore::fold_ready(Entry& e) {
@@ -287,6 +296,14 @@ void ShardCore::fold_ready(Entry& e) {
   if (round_complete(e)) return;
   Round& round = it->second;
   while (e.next_fold < options_.num_workers && round.pushed[e.next_fold]) {
+    if (e.num_folded == 0) {
+      // The first contribution waits for the second: one pass adds both.
+      const std::uint32_t second = e.next_fold + 1;
+      if (second >= options_.num_workers || !round.pushed[second]) return;
+      fold_pair(e, round, e.next_fold, second);
+      e.next_fold += 2;
+      continue;
+    }
     fold(e, round, e.next_fold);
     ++e.next_fold;
   }
@@ -316,22 +333,35 @@ void ShardCore::complete_rounds(Entry& e) {
       }
     } else {
       if (e.sum.size() != n) e.sum.assign(n, 0.0f);
-      // Rank order: ranks below next_fold are in `sum`; fold the rest
-      // ascending but the last, which apply_mean adds in its pass. The mean
-      // is (((g0 + g1) + g2) + ...) / count in float32 either way.
-      std::optional<std::uint32_t> last;
+      // Rank order: ranks below next_fold are in `sum`; the rest are added
+      // ascending, the last one by apply_mean in its pass (and, when nothing
+      // was folded yet, the first two in one pass). The mean is
+      // (((g0 + g1) + g2) + ...) / count in float32 whichever path runs.
+      std::uint32_t last = options_.num_workers;
       for (std::uint32_t r = e.next_fold; r < options_.num_workers; ++r) {
-        if (!round.pushed[r]) continue;
-        if (last) fold(e, round, *last);
-        last = r;
+        if (round.pushed[r]) last = r;
       }
-      if (last && e.num_folded > 0) {
-        optimizer_.apply_mean(e.params, e.sum, round.held[*last].values(), e.num_folded + 1,
+      std::optional<std::uint32_t> first;  // unfolded while num_folded == 0
+      for (std::uint32_t r = e.next_fold; r < last; ++r) {
+        if (!round.pushed[r]) continue;
+        if (e.num_folded > 0) {
+          fold(e, round, r);
+        } else if (first) {
+          fold_pair(e, round, *first, r);
+          first.reset();
+        } else {
+          first = r;
+        }
+      }
+      if (first) {
+        optimizer_.apply_mean(e.params, round.held[*first].values(), round.held[last].values(), 2,
                               e.optimizer);
-        round.held[*last].reset();
-      } else if (last) {
-        // Its one contribution (the others' ranks were excluded).
-        optimizer_.apply(e.params, round.held[*last].values(), e.optimizer);
+      } else if (last < options_.num_workers && e.num_folded > 0) {
+        optimizer_.apply_mean(e.params, e.sum, round.held[last].values(), e.num_folded + 1,
+                              e.optimizer);
+      } else if (last < options_.num_workers) {
+        // Its one contribution (the other ranks were excluded).
+        optimizer_.apply(e.params, round.held[last].values(), e.optimizer);
       } else {
         // Everything was folded before the round completed (a rank it
         // waited for was excluded since).

@@ -318,11 +318,15 @@ class ShardCore {
   // Records a push; returns false (and replied with an error) when refused.
   enum class PushOutcome : std::uint8_t { kRecorded, kDuplicate, kRefused };
   PushOutcome record_push(Entry& e, const Request& request, Payload gradient, ReplySink& sink);
-  // Adds rank's held contribution to `sum` (the first one is copied) and
-  // releases its buffer.
+  // Adds rank's held contribution to `sum` and releases its buffer.
+  // pre: num_folded > 0.
   void fold(Entry& e, Round& round, std::uint32_t rank);
-  // Folds the open round's contributions that are next in rank order, unless
-  // the round is complete (complete_rounds folds those).
+  // sum = first + second (the round's first two contributions in rank
+  // order), releasing both buffers. pre: num_folded == 0.
+  void fold_pair(Entry& e, Round& round, std::uint32_t first, std::uint32_t second);
+  // Folds the open round's contributions that are next in rank order (the
+  // first one only together with the second), unless the round is complete
+  // (complete_rounds folds those).
   void fold_ready(Entry& e);
   bool round_complete(const Entry& e) const;
   void complete_rounds(Entry& e);
