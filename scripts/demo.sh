@@ -171,6 +171,19 @@ for ((c = 0; c < ncpu_all; c++)); do
   taskset -c "$c" true 2>/dev/null && spare+="${spare:+,}$c"
 done
 [[ -n $spare ]] && server_pin=(taskset -c "$spare")
+# Over tcp, a spare core also takes the workers' I/O threads: each training
+# thread keeps its own core (--compute-cpu) and the I/O thread, on the first
+# spare core, makes every socket write (inline_write = 0), so the system
+# calls' copies leave the training core (bench/train/run.py measures it).
+launch_cores=(); worker_pin=()
+if [[ -n $spare && $transport == tcp ]]; then
+  comm_core=${spare%%,*}
+  lists=""
+  for ((r = 0; r < workers; r++)); do lists+="${lists:+:}$r,$comm_core"; done
+  launch_cores=(--cores "$lists")
+  worker_pin=(--compute-cpu '{rank}' --set "communication.cpu_affinity=[$comm_core]"
+              --set communication.inline_write=0)
+fi
 for ((i = 0; i < servers; i++)); do
   "${server_pin[@]}" "$server_bin" --config "$config" --set "server.server_index=$i" >"$run_dir/server-$i.log" 2>&1 &
   server_pids+=($!)
@@ -189,9 +202,9 @@ done
 
 # ---------------------------------------------------------------- workers
 say "training"
-scripts/launch_workers.sh --workers "$workers" --log-dir "$run_dir" -- \
+scripts/launch_workers.sh --workers "$workers" "${launch_cores[@]}" --log-dir "$run_dir" -- \
   "$worker_bin" --config "$config" --rank '{rank}' --epochs "$epochs" --batch-size "$batch" \
-  --seed "$seed" --progress-every 5 2>"$run_dir/launcher.log" &
+  --seed "$seed" --progress-every 5 "${worker_pin[@]}" 2>"$run_dir/launcher.log" &
 launcher_pid=$!
 
 bar() {  # bar DONE TOTAL WIDTH

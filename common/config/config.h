@@ -152,6 +152,10 @@ struct CommunicationConfig {
   std::uint32_t num_channels = 0;
   // zero_copy: "writev" | "sendfile".
   ZeroCopy zero_copy = ZeroCopy::kWritev;
+  // inline_write: bytes a sending thread writes to a tcp socket itself
+  // before the I/O thread takes over; 0 = the I/O thread writes everything
+  // (for I/O threads pinned to cores of their own). 0 .. 1 GiB.
+  std::uint64_t inline_write_bytes = std::uint64_t{8} << 20;
   // cpu_affinity: CPU ids the I/O threads are pinned to (round robin); empty =
   // not pinned. Every id must exist and be in this process's affinity mask;
   // no duplicates.

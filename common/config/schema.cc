@@ -36,6 +36,7 @@ Member<WorkerConfig, T> worker(T WorkerConfig::*f) { return {&Config::worker, f}
 
 constexpr std::uint64_t KiB = std::uint64_t{1} << 10;
 constexpr std::uint64_t MiB = std::uint64_t{1} << 20;
+constexpr std::uint64_t GiB = std::uint64_t{1} << 30;
 constexpr std::uint64_t TiB = std::uint64_t{1} << 40;
 
 // "4KB", "256MB", "513B": the largest binary unit that divides exactly, in
@@ -486,6 +487,10 @@ std::vector<Field> build_fields() {
                          "independent lanes; 0 = auto (number of comm cores), else 1 .. 64",
                          comm(&CommunicationConfig::num_channels), 0, 64,
                          "use 0 (auto) or a count from 1 to 64"));
+  f.push_back(size_field("communication", "inline_write",
+                         "bytes a sending thread writes to a tcp socket before the I/O thread "
+                         "takes over; 0 .. 1GB (0: the I/O thread writes everything)",
+                         comm(&CommunicationConfig::inline_write_bytes), 0, GiB));
   f.push_back(enum_field("communication", "zero_copy", "\"writev\" | \"sendfile\"",
                          comm(&CommunicationConfig::zero_copy),
                          std::vector{ZeroCopy::kWritev, ZeroCopy::kSendfile}));

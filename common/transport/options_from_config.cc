@@ -31,6 +31,7 @@ Result<Options> options_from_config(const config::CommunicationConfig& comm,
   o.ring_slots = comm.ring_buffer_slots;
   o.num_channels = config::resolved_num_channels(comm);
   o.zero_copy = comm.zero_copy == config::ZeroCopy::kSendfile ? ZeroCopy::kSendfile : ZeroCopy::kWritev;
+  o.inline_write_bytes = comm.inline_write_bytes;
   o.cpu_affinity.assign(comm.cpu_affinity.begin(), comm.cpu_affinity.end());
   o.num_io_threads = comm.num_io_threads;
   o.heartbeat_interval = comm.heartbeat_interval;

@@ -121,6 +121,13 @@ struct Options {
   // same count.
   std::uint32_t num_channels = 1;
   ZeroCopy zero_copy = ZeroCopy::kWritev;
+  // tcp: a thread calling send() on an idle channel writes to the socket
+  // itself (no I/O-thread wake-up) up to this many bytes, then hands the rest
+  // to the I/O thread. 0: send() only queues and the I/O thread writes
+  // everything, which keeps the system calls' copies off the caller's core
+  // when the I/O threads are pinned to cores of their own (cpu_affinity).
+  // shm and rdma ignore it.
+  std::size_t inline_write_bytes = std::size_t{8} << 20;
   // Number of I/O threads (each with its own io_context); channels are
   // spread over them round-robin. >= 1.
   std::uint32_t num_io_threads = 1;

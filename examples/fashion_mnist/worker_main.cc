@@ -25,6 +25,9 @@
 // Exit status: 0 on success; 1 on any error (data, config, Ember: server
 // absent, timeout, worker lost, ...); CLI11's codes (e.g. 105, 106, 109) for
 // bad options.
+#include <pthread.h>
+#include <sched.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -68,7 +71,37 @@ struct Options {
   bool initial_eval = false;
   std::string save_params;
   std::string log_level = "info";
+  // >= 0: the training thread (this one) is pinned to that CPU once the
+  // Worker (and its I/O threads, which keep their own affinity) exists.
+  int compute_cpu = -1;
 };
+
+// Checks that `cpu` is in the process's affinity mask (before connecting).
+ember::Status check_compute_cpu(int cpu) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) {
+    return ember::make_sys_error(errno, "--compute-cpu {}: sched_getaffinity", cpu);
+  }
+  if (cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed)) {
+    return ember::make_error(ember::ErrorCode::kInvalidArgument,
+                             "--compute-cpu {}: CPU {} is not in this process's allowed CPUs "
+                             "(taskset or the cgroup cpuset); give one of them",
+                             cpu, cpu);
+  }
+  return ember::ok_status();
+}
+
+// Pins the calling thread to `cpu` (check_compute_cpu first).
+ember::Status pin_training_thread(int cpu) {
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  if (int rc = pthread_setaffinity_np(pthread_self(), sizeof one, &one); rc != 0) {
+    return ember::make_sys_error(rc, "--compute-cpu {}: pthread_setaffinity_np", cpu);
+  }
+  return ember::ok_status();
+}
 
 // The server-side optimizer as configured, for the header line.
 std::string describe_optimizer(const ember::config::OptimizerConfig& o) {
@@ -145,11 +178,15 @@ class Run {
 
   ember::Status train() {
     EMBER_ASSIGN_OR_RETURN(ember::config::Config config, load_config());
+    if (o_.compute_cpu >= 0) EMBER_TRY(check_compute_cpu(o_.compute_cpu));
     // Connect first: an absent server is reported before the data is read.
     // Declaration order is destruction order reversed: the exchange (which
     // waits for in-flight operations) goes before the buffers, the buffers
     // before the Worker that owns their pool.
     EMBER_ASSIGN_OR_RETURN(std::unique_ptr<ember::Worker> worker, ember::Worker::create(config));
+    // After the Worker: its I/O threads inherit this thread's mask before
+    // applying [communication] cpu_affinity, which is checked against it.
+    if (o_.compute_cpu >= 0) EMBER_TRY(pin_training_thread(o_.compute_cpu));
     EMBER_ASSIGN_OR_RETURN(fm::FashionMnist data, fm::load_fashion_mnist(o_.data_dir));
 
     fm::TrainerOptions topt;
@@ -296,6 +333,10 @@ int main(int argc, char** argv) {
                    "After training, write the parameters to this file (raw float32, key order)");
     app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error, critical, off")
         ->capture_default_str();
+    app.add_option("--compute-cpu", o.compute_cpu,
+                   "Pin the training thread to this CPU (it must be in the taskset mask); the "
+                   "I/O threads follow [communication] cpu_affinity, e.g. a spare core")
+        ->check(CLI::NonNegativeNumber);
     CLI11_PARSE(app, argc, argv);
     ember::log::init_program_logging(o.log_level);
     return Run(std::move(o)).main();

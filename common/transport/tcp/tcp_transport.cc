@@ -62,9 +62,6 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::nanoseconds;
 
 constexpr std::size_t kMaxIov = 64;
-// A sending thread that became the writer hands the rest to the I/O thread
-// after this many bytes, so one send() call never writes for long.
-constexpr std::size_t kInlineWriteBudgetBytes = std::size_t{8} << 20;
 // Reads per readiness event before yielding to other handlers on the thread.
 constexpr int kReadsPerEvent = 16;
 constexpr std::size_t kReceiveBufferBytes = std::size_t{256} << 10;
@@ -621,8 +618,10 @@ void Channel::write_loop() {
       }
       break;
     }
-    if (!on_io && written_here >= kInlineWriteBudgetBytes) {
-      // Leave the rest to the I/O thread (writer role handed over).
+    if (!on_io && written_here >= options_.inline_write_bytes) {
+      // Leave the rest to the I/O thread (writer role handed over): after
+      // Options::inline_write_bytes, so one send() call never writes for
+      // long, or at once when the option is 0.
       post([this] { write_loop(); });
       break;
     }

@@ -18,6 +18,7 @@
 // and finish the job.
 #include <gtest/gtest.h>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -43,6 +44,16 @@
 
 namespace ember::fashion_mnist {
 namespace {
+
+// The lowest CPU this process may run on (its taskset mask).
+int first_allowed_cpu() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
+  int c = 0;
+  while (c + 1 < CPU_SETSIZE && !CPU_ISSET(c, &set)) ++c;
+  return c;
+}
 
 using namespace std::chrono_literals;
 using ember::testing::Process;
@@ -339,10 +350,14 @@ TEST_F(FmnistJob, OneWorkerComputesTheOneProcessParametersBitForBit) {
   const std::string config = write_config(1);
   auto server = start_server(config);
   ASSERT_NE(server, nullptr);
+  // The training thread pinned (--compute-cpu) and every socket write left
+  // to the I/O thread (inline_write = 0, as scripts/demo.sh runs tcp with a
+  // spare core): the same floats.
   auto w0 = start_worker(config, 0,
                          {"--epochs", "1", "--max-steps-per-epoch", std::to_string(kSteps),
                           "--progress-every", "0", "--block-rows", "8", "--save-params",
-                          path("params.bin")});
+                          path("params.bin"), "--compute-cpu", std::to_string(first_allowed_cpu()),
+                          "--set", "communication.inline_write=0"});
   auto data = load_fashion_mnist();
   ASSERT_TRUE(data.has_value()) << data.error().to_string();
   const std::vector<float> reference = train_one_process(*data, kBatch, kSteps, 8);
@@ -611,6 +626,16 @@ TEST_F(FmnistJob, ServerHoldingAnEarlierJobIsRefused) {
   EXPECT_NE(err.find("start fresh servers"), std::string::npos) << err;
   server->signal(SIGTERM);
   EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
+}
+
+TEST_F(FmnistJob, ComputeCpuOutsideTheAffinityMaskIsRefusedBeforeConnecting) {
+  port_ = 1;  // never reached: the option is refused first
+  auto w = start_worker(write_config(1), 0, {"--compute-cpu", "1023"});
+  EXPECT_EQ(w->wait_exit(kStartTimeout), 1) << describe(*w);
+  const std::string err = w->stderr_text();
+  EXPECT_NE(err.find("--compute-cpu 1023: CPU 1023 is not in this process's allowed CPUs"),
+            std::string::npos)
+      << err;
 }
 
 TEST_F(FmnistJob, BadRankAndMissingConfigAreRefused) {

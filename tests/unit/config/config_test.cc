@@ -67,6 +67,7 @@ TEST(ConfigDefaults, EmptyTextGivesDefaults) {
   EXPECT_EQ(c.communication.pool_backing, PoolBacking::kAuto);
   EXPECT_EQ(c.communication.num_channels, 0u);
   EXPECT_EQ(c.communication.zero_copy, ZeroCopy::kWritev);
+  EXPECT_EQ(c.communication.inline_write_bytes, 8u << 20);
   EXPECT_TRUE(c.communication.cpu_affinity.empty());
   EXPECT_EQ(c.communication.num_io_threads, 1u);
   EXPECT_EQ(c.communication.heartbeat_interval, 1s);
@@ -112,6 +113,7 @@ ring_buffer_size = 4096
 prealloc_pages = 64
 pool_backing = "thp"
 channels = 4
+inline_write = "64KB"
 zero_copy = "sendfile"
 cpu_affinity = [{0}]
 io_threads = 2
@@ -175,6 +177,7 @@ Config all_knobs_config(std::uint32_t cpu) {
   m.prealloc_pages = 64;
   m.pool_backing = PoolBacking::kThp;
   m.num_channels = 4;
+  m.inline_write_bytes = 64 * 1024;
   m.zero_copy = ZeroCopy::kSendfile;
   m.cpu_affinity = {cpu};
   m.num_io_threads = 2;
@@ -418,6 +421,10 @@ TEST(ConfigErrors, BadEnumListsValidValues) {
               HasSubstr("names are lower case: write \"tcp\""));
   EXPECT_THAT(parse_error("[communication]\npool_backing = \"huge\"\n"),
               HasSubstr("use one of \"auto\", \"hugetlb\", \"thp\", \"plain\""));
+  EXPECT_EQ(parse_ok("[communication]\ninline_write = 0\n").communication.inline_write_bytes, 0u);
+  EXPECT_THAT(parse_error("[communication]\ninline_write = \"2GB\"\n"),
+              AllOf(HasSubstr("communication.inline_write"), HasSubstr("above the maximum"),
+                    HasSubstr("use at most \"1GB\"")));
   EXPECT_THAT(parse_error("[communication]\nzero_copy = \"splice\"\n"),
               HasSubstr("use one of \"writev\", \"sendfile\""));
   EXPECT_THAT(parse_error("[server]\nconsistency = \"sync\"\n"),

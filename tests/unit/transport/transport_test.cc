@@ -3,6 +3,7 @@
 // channel, in both directions, with real sockets on 127.0.0.1.
 #include <gtest/gtest.h>
 
+#include <future>
 #include <thread>
 
 #include "common/memory/page_pool.h"
@@ -300,6 +301,64 @@ INSTANTIATE_TEST_SUITE_P(All, TransportTest,
                                            Mode{"tcp_sendfile", Kind::kTcp, ZeroCopy::kSendfile},
                                            Mode{"shm", Kind::kShm, ZeroCopy::kWritev}),
                          [](const auto& p) { return std::string(p.param.name); });
+
+// Options::inline_write_bytes (tcp): by default a thread sending on an idle
+// channel makes the write system call itself, before send() returns; with 0
+// it only queues and the I/O thread writes. The client's only I/O thread is
+// held inside a message handler while the test sends, so a write can only
+// come from the sending thread.
+TEST(TcpInlineWrite, ZeroLeavesTheWriteToTheIoThread) {
+  for (const std::size_t inline_bytes : {std::size_t{8} << 20, std::size_t{0}}) {
+    SCOPED_TRACE(::testing::Message() << "inline_write_bytes " << inline_bytes);
+    Inbox server_in, client_in;
+    Options o = options_for(Mode{"tcp", Kind::kTcp, ZeroCopy::kWritev});
+    o.num_channels = 1;
+    o.num_io_threads = 1;
+    o.inline_write_bytes = inline_bytes;
+    auto server_tx = Transport::create(o);
+    ASSERT_TRUE(server_tx) << server_tx.error().to_string();
+    auto client_tx = Transport::create(o);
+    ASSERT_TRUE(client_tx) << client_tx.error().to_string();
+    auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
+                                         server_in.handlers());
+    ASSERT_TRUE(listener) << listener.error().to_string();
+    std::promise<void> entered, release;
+    std::shared_future<void> released = release.get_future().share();
+    client_in.also = [&](Connection&, Incoming&) {
+      entered.set_value();
+      released.wait();
+    };
+    auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0},
+                                      client_in.handlers());
+    ASSERT_TRUE(conn) << conn.error().to_string();
+    ASSERT_TRUE(server_in.wait_accepted(1));
+    const std::array<std::byte, 16> hello{};
+    ASSERT_TRUE(server_in.accepted_at(0)->send(0, hello));
+    ASSERT_TRUE(server_in.accepted_at(0)->flush(0));
+    ASSERT_EQ(entered.get_future().wait_for(20s), std::future_status::ready);
+
+    const std::uint64_t before = (*conn)->stats().write_syscalls;
+    Buffer b = Buffer::heap(std::size_t{1} << 20);
+    testing::fill_pattern(b.bytes(), 0, 0);
+    ASSERT_TRUE((*conn)->send(0, std::move(b)));
+    const std::uint64_t after = (*conn)->stats().write_syscalls;
+    if (inline_bytes == 0) {
+      EXPECT_EQ(after, before);
+    } else {
+      EXPECT_GT(after, before);
+    }
+    release.set_value();
+    ASSERT_TRUE(server_in.wait_count(0, 1));
+    {
+      std::lock_guard lock(server_in.mu);
+      EXPECT_EQ(server_in.sizes[0], std::vector<std::size_t>{std::size_t{1} << 20});
+      EXPECT_TRUE(server_in.intact[0][0]);
+    }
+    (*conn)->close();
+    ASSERT_TRUE(client_in.wait_closed());
+    ASSERT_TRUE(server_in.wait_closed());
+  }
+}
 
 }  // namespace
 }  // namespace ember::transport
