@@ -4,6 +4,7 @@
 #include "server/optimizer.h"
 
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -139,8 +140,6 @@ struct Reference {
   }
 };
 
-class OptimizerVsReference : public ::testing::TestWithParam<int> {};
-
 OptimizerConfig config_of(int which) {
   OptimizerConfig c;
   switch (which) {
@@ -157,23 +156,35 @@ OptimizerConfig config_of(int which) {
   return c;
 }
 
-TEST_P(OptimizerVsReference, TenStepsMatchDoubleReference) {
-  const OptimizerConfig c = config_of(GetParam());
-  auto opt = Optimizer::create(c);
-  ASSERT_TRUE(opt) << opt.error().to_string();
+// One optimizer per parameter (config_of) and a seeded source of floats.
+class OptimizerVsReference : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    c = config_of(GetParam());
+    auto created = Optimizer::create(c);
+    ASSERT_TRUE(created) << created.error().to_string();
+    opt.emplace(std::move(*created));
+  }
+  float next() { return dist(rng); }
+
+  OptimizerConfig c;
+  std::optional<Optimizer> opt;
   const std::uint64_t seed = std::random_device{}();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::mt19937_64 rng{seed};
+  std::normal_distribution<float> dist{0.0f, 1.0f};
+};
+
+TEST_P(OptimizerVsReference, TenStepsMatchDoubleReference) {
   const std::size_t n = 257;
   std::vector<float> p(n);
-  for (auto& x : p) x = dist(rng);
+  for (auto& x : p) x = next();
   Reference ref{c, std::vector<double>(p.begin(), p.end()), std::vector<double>(n, 0.0),
                 std::vector<double>(n, 0.0)};
   if (c.type == OptimizerType::kAdagrad) ref.a.assign(n, c.initial_accumulator);
   OptimizerState s = opt->make_state(n);
   for (int step = 0; step < 10; ++step) {
     std::vector<float> g(n);
-    for (auto& x : g) x = dist(rng);
+    for (auto& x : g) x = next();
     opt->apply(p, g, s);
     ref.step(g);
   }
@@ -186,15 +197,9 @@ TEST_P(OptimizerVsReference, TenStepsMatchDoubleReference) {
 // apply_mean(sum, last, count) is apply() on the buffer (sum + last) / count,
 // bit for bit, parameters and state, for 2 and 3 contributions.
 TEST_P(OptimizerVsReference, ApplyMeanIsApplyOnTheMeanBitForBit) {
-  const OptimizerConfig c = config_of(GetParam());
-  auto opt = Optimizer::create(c);
-  ASSERT_TRUE(opt) << opt.error().to_string();
-  const std::uint64_t seed = std::random_device{}();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
   const std::size_t n = 1031;
   std::vector<float> p_fused(n);
-  for (auto& x : p_fused) x = dist(rng);
+  for (auto& x : p_fused) x = next();
   std::vector<float> p_plain = p_fused;
   OptimizerState s_fused = opt->make_state(n);
   OptimizerState s_plain = opt->make_state(n);
@@ -202,7 +207,7 @@ TEST_P(OptimizerVsReference, ApplyMeanIsApplyOnTheMeanBitForBit) {
     const std::uint32_t count = 2 + step % 2;
     std::vector<std::vector<float>> g(count, std::vector<float>(n));
     for (auto& v : g) {
-      for (auto& x : v) x = dist(rng);
+      for (auto& x : v) x = next();
     }
     std::vector<float> sum = g[0];
     for (std::uint32_t r = 1; r + 1 < count; ++r) {
