@@ -194,9 +194,6 @@ void ShardCore::on_init(const Request& request, std::span<const std::uint64_t> s
   e->params.assign(values.values().begin(), values.values().end());
   e->optimizer = optimizer_.make_state(e->params.size());
   e->clocks.assign(options_.num_workers, 0);
-  if (options_.consistency == proto::Consistency::kBsp && options_.num_workers > 1) {
-    e->sum.assign(e->params.size(), 0.0f);
-  }
   Entry& entry = *e;
   entries_.emplace(id, std::move(e));
   reply_init(entry, request, shape, sink);
@@ -278,8 +275,11 @@ void ShardCore::fold_pair(Entry& e, Round& round, std::uint32_t first, std::uint
   EMBER_DCHECK(e.num_folded == 0);
   const float* a = round.held[first].values().data();
   const float* b = round.held[second].values().data();
-  float* s = e.sum.data();
   const std::size_t n = e.params.size();
+  // Allocated on first use: with two workers no round needs it (apply_mean
+  // reads both contributions), only three or more, or a rank excluded.
+  if (e.sum.size() != n) e.sum.resize(n);
+  float* s = e.sum.data();
   for (std::size_t i = 0; i < n; ++i) s[i] = a[i] + b[i];
   round.held[first].reset();
   round.held[second].reset();
@@ -332,7 +332,6 @@ void ShardCore::complete_rounds(Entry& e) {
         if (round.pushed[r]) optimizer_.apply(e.params, round.held[r].values(), e.optimizer);
       }
     } else {
-      if (e.sum.size() != n) e.sum.assign(n, 0.0f);
       // Rank order: ranks below next_fold are in `sum`; the rest are added
       // ascending, the last one by apply_mean in its pass (and, when nothing
       // was folded yet, the first two in one pass). The mean is
@@ -609,9 +608,6 @@ Status ShardCore::restore(EntrySnapshot s) {
   // A job restarted with another worker count: new ranks start at the version.
   e->clocks.resize(options_.num_workers,
                    options_.consistency == proto::Consistency::kBsp ? s.version : 0);
-  if (options_.consistency == proto::Consistency::kBsp && options_.num_workers > 1) {
-    e->sum.assign(e->params.size(), 0.0f);
-  }
   entries_.emplace(id, std::move(e));
   return ok_status();
 }

@@ -295,7 +295,7 @@ class ShardCore {
     ~Entry();
     // bsp
     std::map<std::uint64_t, Round> rounds;  // by step; begin() is `version` when present
-    std::vector<float> sum;                 // running sum of the open round
+    std::vector<float> sum;                 // running sum of the open round (fold_pair sizes it)
     std::uint32_t next_fold = 0;            // ranks below it are folded into `sum`
     std::uint32_t num_folded = 0;
     std::vector<Parked> parked;
