@@ -6,10 +6,12 @@
 # The last line of output is `SUMMARY key=value ...`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if (($# < 1)); then
-  echo "usage: scripts/bench.sh NAME [args...]; NAME is one of: $(ls bench | grep -v CMakeLists | tr '\n' ' ')" >&2
-  exit 2
-fi
+usage() {
+  echo "usage: scripts/bench.sh NAME [args...]; NAME is one of: $(ls bench | grep -v CMakeLists | tr '\n' ' ')"
+  echo "  scripts/bench.sh NAME --help: the benchmark's own options"
+}
+if (($# < 1)); then usage >&2; exit 2; fi
+if [[ $1 == -h || $1 == --help ]]; then sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; usage; exit 0; fi
 name="$1"; shift
 if [[ ! -d bench/$name ]]; then
   echo "bench.sh: no benchmark '$name'; have: $(ls bench | grep -v CMakeLists | tr '\n' ' ')" >&2

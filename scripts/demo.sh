@@ -36,6 +36,8 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0";
 die() { echo "demo: $*" >&2; exit 2; }
 while (($#)); do
   case "$1" in
+    --workers|--servers|--epochs|--transport|--mode|--batch-size|--seed|--min-accuracy|--lr)
+      (($# >= 2)) || die "$1 needs a value (see --help)" ;;&
     --workers) workers="${2:-}"; shift 2 ;;
     --servers) servers="${2:-}"; shift 2 ;;
     --epochs) epochs="${2:-}"; shift 2 ;;

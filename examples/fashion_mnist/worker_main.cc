@@ -84,10 +84,14 @@ ember::Status check_compute_cpu(int cpu) {
     return ember::make_sys_error(errno, "--compute-cpu {}: sched_getaffinity", cpu);
   }
   if (cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed)) {
+    std::vector<int> ids;
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &allowed)) ids.push_back(c);
+    }
     return ember::make_error(ember::ErrorCode::kInvalidArgument,
                              "--compute-cpu {}: CPU {} is not in this process's allowed CPUs "
-                             "(taskset or the cgroup cpuset); give one of them",
-                             cpu, cpu);
+                             "({}: taskset or the cgroup cpuset); give one of them",
+                             cpu, cpu, fmt::join(ids, ", "));
   }
   return ember::ok_status();
 }
@@ -214,13 +218,19 @@ class Run {
     const auto& cfg = worker->config();
     fmt::print("fmnist-worker rank {}/{}: {} train / {} test samples, MLP {} ({} parameters), "
                "batch {} per worker ({} combined), {} steps/epoch, {} server(s), transport {}, "
-               "consistency {}, server optimizer {}, parameters in {}\n",
+               "consistency {}, server optimizer {}, parameters in {}; training thread on {}, I/O "
+               "threads on {}, inline_write {} bytes\n",
                worker->rank(), worker->num_workers(), data.train.num_samples,
                data.test.num_samples, fmt::join(spec.layer_sizes, "-"), model.num_parameters(),
                o_.batch_size, o_.batch_size * worker->num_workers(), trainer.steps_per_epoch(),
                worker->num_servers(), ember::config::to_string(cfg.communication.transport),
                ember::config::to_string(cfg.server.consistency), describe_optimizer(cfg.optimizer),
-               buffers.values.in_pool() && buffers.grads.in_pool() ? "pool" : "heap");
+               buffers.values.in_pool() && buffers.grads.in_pool() ? "pool" : "heap",
+               o_.compute_cpu >= 0 ? fmt::format("CPU {}", o_.compute_cpu) : "any allowed CPU",
+               cfg.communication.cpu_affinity.empty()
+                   ? std::string("any allowed CPU")
+                   : fmt::format("CPU [{}]", fmt::join(cfg.communication.cpu_affinity, ", ")),
+               cfg.communication.inline_write_bytes);
     std::fflush(stdout);
 
     if (o_.progress_every > 0) {

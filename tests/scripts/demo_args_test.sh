@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Tests scripts/demo.sh's argument checks: each bad option is refused with
+# exit code 2 and a message naming it, before anything is installed or built.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+demo="$root/scripts/demo.sh"
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+expect_refused() {  # expect_refused TEXT ARGS...: exit 2, TEXT in the message
+  local text=$1; shift
+  local out rc
+  set +e
+  out=$("$demo" "$@" 2>&1)
+  rc=$?
+  set -e
+  [[ $rc == 2 ]] || fail "demo.sh $*: exit code $rc, expected 2 (output: $out)"
+  [[ $out == *"$text"* ]] || fail "demo.sh $*: message '$out' lacks '$text'"
+}
+
+expect_refused "--epochs needs a value" --epochs
+expect_refused "--transport needs a value" --workers 1 --transport
+expect_refused "--workers must be a number >= 1 (got '0')" --workers 0
+expect_refused "--transport must be tcp or shm (got 'udp')" --transport udp
+expect_refused "--mode must be bsp, asp or ssp" --mode sync
+expect_refused "unknown argument '--gpus'" --gpus 2
+"$demo" --help | grep -q -- "--transport" || fail "--help does not list the options"
+echo "demo_args: OK"
