@@ -208,6 +208,12 @@ struct ServerLink {
   // Generation of a connection this side closed because the server broke
   // the protocol: its requests are not re-sent (0: none).
   std::atomic<std::uint64_t> poisoned_gen{0};
+  // Attempts of the last full reconnect cycle to this server when it failed
+  // (0: the last connect succeeded). While set, a new request reconnects
+  // with one attempt instead of a full cycle (connect(quick)), so after the
+  // re-sender gave up, each later call fails at once (or finds the server
+  // back) rather than waiting out connect_retries again.
+  std::atomic<std::uint32_t> failed_cycle_attempts{0};
 };
 
 std::uint64_t product(std::span<const std::uint64_t> shape, bool& overflow) {
@@ -322,7 +328,10 @@ struct Worker::Impl {
 
   // ---- setup ----
   Status init(const config::Config& cfg);
-  Result<std::shared_ptr<transport::Connection>> connect(ServerLink& link, std::uint64_t gen);
+  // quick: one attempt (see ServerLink::failed_cycle_attempts), else
+  // connect_retries + 1 with back-off.
+  Result<std::shared_ptr<transport::Connection>> connect(ServerLink& link, std::uint64_t gen,
+                                                         bool quick = false);
   Status join(ServerLink& link);
   // The link's open connection, reconnecting (and joining) when it is
   // closed. `after_resends`: a sender other than the re-sender; when the
@@ -446,7 +455,8 @@ Status Worker::Impl::init(const config::Config& cfg) {
 }
 
 Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink& link,
-                                                                    std::uint64_t gen) {
+                                                                    std::uint64_t gen,
+                                                                    bool quick) {
   transport::Handlers handlers;
   const std::uint32_t s = link.index;
   auto follow = std::make_shared<FollowState>();
@@ -458,7 +468,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   handlers.on_closed = [this, s, gen](transport::Connection&, const Error& reason) {
     on_closed(s, gen, reason);
   };
-  const std::uint32_t attempts = config.worker.connect_retries + 1;
+  const std::uint32_t attempts = quick ? 1 : config.worker.connect_retries + 1;
   std::chrono::milliseconds backoff(50);
   Error last;
   std::uint32_t made = 0;  // attempts actually made
@@ -472,7 +482,10 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
         link.address, transport::LocalIdentity{transport::Role::kWorker, config.worker.rank},
         handlers);
     made = attempt;
-    if (conn) return std::move(*conn);
+    if (conn) {
+      link.failed_cycle_attempts.store(0, std::memory_order_relaxed);
+      return std::move(*conn);
+    }
     last = conn.error();
     const ErrorCode code = last.code();
     if (code == ErrorCode::kAuth || code == ErrorCode::kVersionMismatch ||
@@ -495,7 +508,14 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
                                   "retried: a retry cannot cure {})",
                                   config.worker.rank, link.index, link.address, made,
                                   error_code_name(last.code())));
+  } else if (quick) {
+    last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (1 attempt: the "
+                                  "last reconnect already failed after {} attempt(s) of [worker] "
+                                  "connect_retries; restart the server or check the address)",
+                                  config.worker.rank, link.index, link.address,
+                                  link.failed_cycle_attempts.load(std::memory_order_relaxed)));
   } else {
+    if (!closing.load()) link.failed_cycle_attempts.store(made, std::memory_order_relaxed);
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (after {} of {} "
                                   "attempt(s); [worker] connect_retries, connect_timeout)",
                                   config.worker.rank, link.index, link.address, made, attempts));
@@ -531,7 +551,11 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
     }
   }
   const std::uint64_t new_gen = link.gen + 1;
-  EMBER_ASSIGN_OR_RETURN(auto conn, connect(link, new_gen));
+  // A sender after a failed reconnect cycle tries once (the re-sender, and
+  // the first connect, always make the whole cycle).
+  const bool quick =
+      after_resends && link.failed_cycle_attempts.load(std::memory_order_relaxed) > 0;
+  EMBER_ASSIGN_OR_RETURN(auto conn, connect(link, new_gen, quick));
   if (closing.load()) {
     // stop() closes link.conn after setting `closing`; this one it cannot see.
     conn->close();

@@ -78,7 +78,11 @@
 // a refused join (another [cluster] table), the Worker's own destruction;
 // those requests fail with kClosed ("connection to server <i> (<addr>) lost
 // before the reply: ..."). Re-sending reads the caller's gradient again, so
-// buffers must stay valid until the operation is done (handle.h).
+// buffers must stay valid until the operation is done (handle.h). Once a
+// whole round of reconnect attempts to a server has failed, a new request
+// to it makes a single attempt (kIo/kTimeout "cannot connect ... 1 attempt")
+// until a connect succeeds again: after the re-sender gave up, later calls
+// fail at once instead of each waiting out connect_retries.
 //
 // Asynchrony. Every call returns a Handle at once (handle.h); wait() or
 // async_wait() gives the Result. Errors found before sending (unknown key,

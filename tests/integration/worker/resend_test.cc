@@ -305,6 +305,29 @@ TEST(WorkerResend, ServerThatNeverComesBackFailsAfterTheAttemptsNamingServerAndK
   EXPECT_EQ(s.out, std::vector<float>(kElements, -1.0f));
 }
 
+TEST(WorkerResend, AfterTheReSenderGaveUpANewRequestTriesOnceAndFailsAtOnce) {
+  // The re-sender's reconnect rounds (connect_retries = 8, with back-off)
+  // fail; a request made afterwards makes one attempt, not another round.
+  PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "1"}, {"worker.connect_retries", "8"}},
+                "30s");
+  ASSERT_TRUE(s.worker);
+  Handle pending = s.pull_step_1();
+  kill_nine(*s.server);
+  auto r = pending.wait();
+  ASSERT_FALSE(r);
+  EXPECT_THAT(r.error().message(), HasSubstr("re-sending gave up after 1 attempt(s)"))
+      << r.error().to_string();
+  EXPECT_THAT(r.error().message(), HasSubstr("after 9 of 9 attempt(s)")) << r.error().to_string();
+
+  auto again = s.worker->push(kKey, gradient(0, 1)).wait();
+  ASSERT_FALSE(again);
+  const std::string msg = again.error().message();
+  EXPECT_THAT(msg, HasSubstr(fmt::format("cannot connect to server 0 at {} (1 attempt: the last "
+                                         "reconnect already failed after 9 attempt(s)",
+                                         s.server->address())))
+      << again.error().to_string();
+}
+
 TEST(WorkerResend, ServerThatNeverComesBackFailsWithinRequestTimeoutNamingTheAttempts) {
   // Many connect retries with back-off: request_timeout ends it first.
   PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "3"}, {"worker.connect_retries", "50"}},
