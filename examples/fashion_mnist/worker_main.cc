@@ -346,7 +346,7 @@ int main(int argc, char** argv) {
     app.add_option("--compute-cpu", o.compute_cpu,
                    "Pin the training thread to this CPU (it must be in the taskset mask); the "
                    "I/O threads follow [communication] cpu_affinity, e.g. a spare core")
-        ->check(CLI::NonNegativeNumber);
+        ->check(CLI::Range(0, CPU_SETSIZE - 1));
     CLI11_PARSE(app, argc, argv);
     ember::log::init_program_logging(o.log_level);
     return Run(std::move(o)).main();
