@@ -119,6 +119,7 @@ struct Server::Impl final : ReplySink {
   metrics::Counter* error_replies = nullptr;
   metrics::Counter* replies_in_place = nullptr;
   metrics::Counter* replies_lent = nullptr;
+  metrics::Gauge* lent_copies = nullptr;
   metrics::Counter* checkpoints_written = nullptr;
   metrics::Gauge* workers_connected = nullptr;
   metrics::Gauge* bytes_in = nullptr;
@@ -266,6 +267,10 @@ void Server::Impl::make_metrics() {
       "ember_server_replies_zero_copy_total",
       "Large pull and push_pull replies sent over tcp straight from the parameter store, "
       "without a copy (bsp)");
+  lent_copies = &registry.gauge(
+      "ember_server_lent_copies",
+      "Optimizer updates that found a zero-copy reply of the parameters still in flight and "
+      "updated a copy instead (copy on write); should stay near 0");
   checkpoints_written =
       &registry.counter("ember_server_checkpoints_written_total", "Checkpoints written");
   workers_connected =
@@ -1070,12 +1075,14 @@ void Server::Impl::refresh_metrics() {
   const memory::PoolStats ps = pool->stats();
   pool_in_use->set(static_cast<double>(ps.bytes_in_use));
   pool_region->set(static_cast<double>(ps.region_bytes));
-  std::uint64_t stored = 0;
+  std::uint64_t stored = 0, copies = 0;
   for (std::size_t i = 0; i < shards.size(); ++i) {
     ring_items[i]->set(static_cast<double>(shards[i]->queued_approx()));
     stored += shards[i]->num_entries_approx();
+    copies += shards[i]->lent_copies_approx();
   }
   entries->set(static_cast<double>(stored));
+  lent_copies->set(static_cast<double>(copies));
 }
 
 // ---------------------------------------------------------------------------

@@ -153,6 +153,11 @@ class Shard {
   std::uint64_t num_entries_approx() const noexcept {
     return num_entries_.load(std::memory_order_relaxed);  // relaxed: a statistic, publishes nothing
   }
+  // Copy-on-write updates of lent parameters (CoreStats::lent_copies), as of
+  // the end of the shard's last batch. Any thread; for metrics.
+  std::uint64_t lent_copies_approx() const noexcept {
+    return lent_copies_.load(std::memory_order_relaxed);  // relaxed: a statistic
+  }
   std::uint32_t index() const noexcept { return options_.index; }
 
  private:
@@ -167,6 +172,7 @@ class Shard {
   // thread (or the owner before start()).
   void publish_stats() noexcept {
     num_entries_.store(core_.num_entries(), std::memory_order_relaxed);  // relaxed: as above
+    lent_copies_.store(core_.lent_copies(), std::memory_order_relaxed);
   }
 
   ShardOptions options_;
@@ -179,6 +185,7 @@ class Shard {
   std::atomic<std::size_t> overflow_count_{0};     // > 0: producers append to overflow_
   std::atomic<bool> stopping_{false};
   std::atomic<std::uint64_t> num_entries_{0};
+  std::atomic<std::uint64_t> lent_copies_{0};
   std::thread thread_;
 };
 

@@ -245,6 +245,8 @@ class ShardCore {
   CoreStats stats() const;
   // Entries (tensor chunks) stored; O(1), for per-batch metrics.
   std::size_t num_entries() const noexcept { return entries_.size(); }
+  // CoreStats::lent_copies, in O(1).
+  std::uint64_t lent_copies() const noexcept { return lent_copies_; }
   const CoreOptions& options() const noexcept { return options_; }
 
  private:

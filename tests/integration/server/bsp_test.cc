@@ -135,6 +135,9 @@ TEST_P(ServerOverTransport, LargeChunkedTensorRoundTrips) {
   const std::string lent = std::string("ember_server_replies_zero_copy_total ") +
                            (std::string(GetParam()) == "tcp" ? "32" : "0");
   EXPECT_NE(text.find(lent + "\n"), std::string::npos) << lent << "\n" << text;
+  // Copy-on-write events are exported (their count depends on timing: a
+  // reply's lease is dropped just after its last write).
+  EXPECT_NE(text.find("\nember_server_lent_copies "), std::string::npos) << text;
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ServerOverTransport, ::testing::Values("tcp", "shm"),
