@@ -90,13 +90,19 @@ std::string quoted_list(const std::vector<std::string_view>& names) {
 template <typename Sub>
 Field size_field(std::string_view table, std::string_view key, std::string_view doc,
                  Member<Sub, std::uint64_t> m, std::uint64_t min, std::uint64_t max) {
+  // The value as format_bytes shows it, or in bytes when that rounds it to
+  // the limit's own text ("1 GiB is above the maximum 1 GiB").
+  auto shown = [](std::uint64_t v, std::uint64_t limit) {
+    std::string text = format_bytes(v);
+    return text == format_bytes(limit) ? fmt::format("{} B", v) : text;
+  };
   auto in_range = [=](std::uint64_t v) -> Problem {
     if (v < min) {
-      return fmt::format("{} is below the minimum {}; use at least \"{}\"", format_bytes(v),
+      return fmt::format("{} is below the minimum {}; use at least \"{}\"", shown(v, min),
                          format_bytes(min), size_text(min));
     }
     if (v > max) {
-      return fmt::format("{} is above the maximum {}; use at most \"{}\"", format_bytes(v),
+      return fmt::format("{} is above the maximum {}; use at most \"{}\"", shown(v, max),
                          format_bytes(max), size_text(max));
     }
     return std::nullopt;

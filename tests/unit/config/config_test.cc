@@ -425,6 +425,9 @@ TEST(ConfigErrors, BadEnumListsValidValues) {
   EXPECT_THAT(parse_error("[communication]\ninline_write = \"2GB\"\n"),
               AllOf(HasSubstr("communication.inline_write"), HasSubstr("above the maximum"),
                     HasSubstr("use at most \"1GB\"")));
+  // Just over the limit: shown in bytes, not rounded to the limit's text.
+  EXPECT_THAT(parse_error("[communication]\ninline_write = \"1073741825B\"\n"),
+              HasSubstr("1073741825 B is above the maximum 1 GiB"));
   EXPECT_THAT(parse_error("[communication]\nzero_copy = \"splice\"\n"),
               HasSubstr("use one of \"writev\", \"sendfile\""));
   EXPECT_THAT(parse_error("[server]\nconsistency = \"sync\"\n"),
