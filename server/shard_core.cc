@@ -355,12 +355,11 @@ void ShardCore::complete_rounds(Entry& e) {
       if (first) {
         optimizer_.apply_mean(e.params, round.held[*first].values(), round.held[last].values(), 2,
                               e.optimizer);
-      } else if (last < options_.num_workers && e.num_folded > 0) {
+      } else if (last < options_.num_workers) {
+        // num_folded > 0 here: a round with one contribution in all took
+        // the branch above.
         optimizer_.apply_mean(e.params, e.sum, round.held[last].values(), e.num_folded + 1,
                               e.optimizer);
-      } else if (last < options_.num_workers) {
-        // Its one contribution (the other ranks were excluded).
-        optimizer_.apply(e.params, round.held[last].values(), e.optimizer);
       } else {
         // Everything was folded before the round completed (a rank it
         // waited for was excluded since).
