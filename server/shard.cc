@@ -12,10 +12,13 @@
 namespace ember::server {
 
 std::uint32_t shard_of(std::uint64_t key, std::uint32_t chunk_index, std::uint32_t num_shards) {
-  // Re-mixed so that shards are independent of server_of/channel_of.
-  return static_cast<std::uint32_t>(
-      placement::mix64(placement::chunk_hash(key, chunk_index) ^ 0x5AFE5AFE5AFE5AFEULL) %
-      num_shards);
+  // The key picks where its chunk 0 goes (re-mixed, so that shards are
+  // independent of server_of/channel_of); chunk i goes i shards further on.
+  // A large tensor's chunks are therefore dealt round-robin over the shards
+  // and applied in parallel, not left to a hash that can give one shard 36
+  // of 64 chunks.
+  const std::uint64_t first = placement::mix64(key ^ 0x5AFE5AFE5AFE5AFEULL) % num_shards;
+  return static_cast<std::uint32_t>((first + chunk_index % num_shards) % num_shards);
 }
 
 Result<std::unique_ptr<Shard>> Shard::create(ShardOptions options, Optimizer optimizer,

@@ -189,8 +189,11 @@ class Shard {
   std::thread thread_;
 };
 
-// The shard that owns (key, chunk) among `num_shards`: a hash independent of
-// the server and channel placement bits.
+// The shard that owns (key, chunk) among `num_shards` (> 0): chunk 0 of a key
+// goes to a shard picked by a hash of the key that is independent of the
+// server and channel placement bits, and the key's chunks follow round-robin,
+// so any num_shards consecutive chunks of a tensor land on distinct shards.
+// Pure function; thread-safe.
 std::uint32_t shard_of(std::uint64_t key, std::uint32_t chunk_index, std::uint32_t num_shards);
 
 }  // namespace ember::server

@@ -2,6 +2,7 @@
 // the overflow list, without losing the producer's order.
 #include "server/shard.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 
@@ -89,6 +90,32 @@ TEST(Shard, StopHandlesEverythingQueuedFirst) {
   (*shard)->join();
   EXPECT_EQ(sink.steps.size(), 51u);
   EXPECT_EQ((*shard)->core().stats().pushes_applied, 50u);
+}
+
+TEST(ShardOf, DealsATensorsChunksRoundRobinOverTheShards) {
+  for (std::uint32_t shards : {1u, 2u, 3u, 8u}) {
+    for (std::uint64_t key : {0ull, 1ull, 42ull, 500000ull, ~0ull}) {
+      std::vector<int> per_shard(shards, 0);
+      const std::uint32_t first = shard_of(key, 0, shards);
+      for (std::uint32_t c = 0; c < 64; ++c) {
+        const std::uint32_t s = shard_of(key, c, shards);
+        ASSERT_LT(s, shards);
+        EXPECT_EQ(s, (first + c) % shards) << "key " << key << " chunk " << c;
+        ++per_shard[s];
+      }
+      const auto [lo, hi] = std::minmax_element(per_shard.begin(), per_shard.end());
+      EXPECT_LE(*hi - *lo, 1) << "64 chunks of key " << key << " over " << shards << " shards";
+    }
+  }
+}
+
+TEST(ShardOf, SpreadsSmallKeysOverTheShards) {
+  std::vector<int> per_shard(4, 0);
+  for (std::uint64_t key = 0; key < 4000; ++key) ++per_shard[shard_of(key, 0, 4)];
+  for (int n : per_shard) {
+    EXPECT_GT(n, 800);
+    EXPECT_LT(n, 1200);
+  }
 }
 
 }  // namespace
