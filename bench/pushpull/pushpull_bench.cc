@@ -16,7 +16,12 @@
 //  3. One key, push then pull, 4 KiB .. 256 MiB, 1 worker: serial (p50/p99
 //     per operation, goodput) and with 8 requests in flight (goodput); the
 //     process's minor page faults per operation in steady state; and
-//     pipelined 4 KiB operations per second.
+//     pipelined 4 KiB operations per second. Beside them, the memory
+//     reference of each size (memory_reference): where its goodput falls, the
+//     machine's caches, not Ember, set the fall.
+//
+// The server runs one shard thread per CPU (default_shards) unless --set
+// server.shards=N says otherwise.
 //
 // Everything runs in this process: the server (ember::server::Server), the
 // workers (ember::Worker, one thread each) and Gloo's ranks (threads). Each
@@ -24,6 +29,7 @@
 // within a repetition. Absolute times mean little on a small shared machine;
 // the ratios are the point. The benchmark never fails on a timing. The last
 // line is `SUMMARY key=value ...`.
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -160,6 +166,18 @@ class Arena {
 // --set KEY=VALUE config overrides, applied to every cluster's config.
 std::vector<std::pair<std::string, std::string>> g_overrides;
 
+// The server's shard threads unless --set server.shards says otherwise: one
+// per CPU this process may run on (2 on the 2-core machines this runs on), so
+// the chunks of a large tensor are applied in parallel. With 1 shard the shm
+// ResNet-50 step measured 52-62 ms against 31-49 ms with 2, and a 256 MiB
+// push 46 ms against 24 ms; tcp stayed within noise.
+unsigned default_shards() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int n = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  return static_cast<unsigned>(std::clamp(n, 1, 8));
+}
+
 // An in-process server and its workers.
 struct Cluster {
   std::string transport;
@@ -178,10 +196,11 @@ struct Cluster {
     auto text = fmt::format(
         "[communication]\ntransport = \"{}\"\nprealloc_pages = {}\n"
         "[cluster]\nservers = [\"{}\"]\nnum_workers = {}\n"
-        "[server]\nconsistency = \"bsp\"\nlog_level = \"warn\"\n"
+        "[server]\nconsistency = \"bsp\"\nlog_level = \"warn\"\nshards = {}\n"
         "[optimizer]\ntype = \"sgd\"\nlearning_rate = 1e-9\n"
         "[worker]\nrequest_timeout = \"300s\"\n",
-        transport, server_pages, transport == "shm" ? listen : "127.0.0.1:1", num_workers);
+        transport, server_pages, transport == "shm" ? listen : "127.0.0.1:1", num_workers,
+        default_shards());
     auto cfg = ember::config::parse_config(text, "bench");
     if (!cfg) {
       std::fprintf(stderr, "bench: %s\n", cfg.error().to_string().c_str());
@@ -394,6 +413,40 @@ struct SweepResult {
   double faults_per_op = 0;
 };
 
+// The memory reference of one push then pull of `bytes`: the two passes any
+// parameter server makes over a tensor, done here on buffers of the same size
+// by `threads` threads (each on its own slice, as the server's shards each
+// take their own chunks): the update (p -= lr * g: reads g, reads and writes
+// p) and the reply (out = p). Its goodput falls where the three buffers stop
+// fitting in the caches, which shows how much of Ember's own fall from 16 MiB
+// to 256 MiB is the machine's. Seconds for the two passes, median of `reps`.
+double memory_reference(std::size_t bytes, unsigned threads, int reps) {
+  const std::size_t n = bytes / sizeof(float);
+  std::vector<float> g(n, 1e-3f), p(n, 0.5f), out(n, 0.0f);
+  auto passes = [&](std::size_t begin, std::size_t end) {
+    const float lr = 1e-9f;
+    float* __restrict pp = p.data();
+    const float* __restrict gp = g.data();
+    for (std::size_t i = begin; i < end; ++i) pp[i] -= lr * gp[i];
+    asm volatile("" : : "r"(pp) : "memory");
+    std::memcpy(out.data() + begin, p.data() + begin, (end - begin) * sizeof(float));
+    asm volatile("" : : "r"(out.data()) : "memory");
+  };
+  // Slices of whole 4 KiB pages; small tensors stay on one thread, as one
+  // chunk stays on one shard.
+  const std::size_t per = std::max<std::size_t>(1024, (n / threads + 1023) / 1024 * 1024);
+  std::vector<double> t;
+  for (int r = 0; r < reps + 1; ++r) {
+    const auto t0 = Clock::now();
+    std::vector<std::thread> helpers;
+    for (std::size_t b = per; b < n; b += per) helpers.emplace_back(passes, b, std::min(n, b + per));
+    passes(0, std::min(n, per));
+    for (auto& h : helpers) h.join();
+    if (r > 0) t.push_back(seconds_since(t0));  // the first one faults the pages in
+  }
+  return median(t);
+}
+
 struct SweepRun {
   std::unique_ptr<Cluster> cluster;
   std::map<std::size_t, Key> keys;
@@ -506,6 +559,13 @@ int main(int argc, char** argv) {
     steps = 2;
   }
   ember::log::init_program_logging("warn");
+  unsigned shard_count = default_shards();
+  for (const auto& [key, value] : g_overrides) {
+    if (key == "server.shards") shard_count = static_cast<unsigned>(std::max(1, std::atoi(value.c_str())));
+  }
+  std::printf("server: %u shard thread(s) (--set server.shards=N to change); transports:", shard_count);
+  for (const auto& t : transports) std::printf(" %s", t.c_str());
+  std::printf("\n");
   auto wanted = [&](const char* name) {
     return std::find(sections.begin(), sections.end(), name) != sections.end();
   };
@@ -515,12 +575,12 @@ int main(int argc, char** argv) {
   std::size_t total = 0;
   for (const auto& s : shapes) total += elements(s);
   const double grad_bytes = static_cast<double>(total) * 4;
-  std::printf("== ResNet-50 gradients: %zu tensors, %zu float32 (%.1f MB); 2 workers, 1 server, BSP, "
-              "push_pull of every tensor per step\n",
-              shapes.size(), total, grad_bytes / 1e6);
-  std::fflush(stdout);
   std::map<std::string, std::vector<double>> step_s;
   if (wanted("resnet")) {
+    std::printf("== ResNet-50 gradients: %zu tensors, %zu float32 (%.1f MB); 2 workers, 1 server, BSP, "
+                "push_pull of every tensor per step\n",
+                shapes.size(), total, grad_bytes / 1e6);
+    std::fflush(stdout);
     std::map<std::string, std::unique_ptr<ResnetRun>> runs;
     for (const auto& t : transports) {
       auto run = std::make_unique<ResnetRun>();
@@ -543,7 +603,7 @@ int main(int argc, char** argv) {
     }
   }
   const double gloo_ms = median(step_s["gloo-ring-tcp"]) * 1e3;
-  std::printf("%-16s %14s %14s %10s\n", "system", "step ms (p50)", "goodput GB/s", "vs gloo");
+  if (wanted("resnet")) std::printf("%-16s %14s %14s %10s\n", "system", "step ms (p50)", "goodput GB/s", "vs gloo");
   for (const char* name : {"ember-tcp", "ember-shm", "gloo-ring-tcp", "memcpy ceiling"}) {
     if (!step_s.count(name)) continue;
     const double ms = median(step_s[name]) * 1e3;
@@ -553,9 +613,9 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   // ---- 2. tiny keys ----
-  std::printf("\n== 10,000 keys of 64 bytes; 2 workers, BSP, push_pull of every key per step\n");
   std::map<std::string, std::vector<double>> tiny_s;
   if (wanted("tiny")) {
+    std::printf("\n== 10,000 keys of 64 bytes; 2 workers, BSP, push_pull of every key per step\n");
     std::map<std::string, std::unique_ptr<Cluster>> clusters;
     std::map<std::string, TinyRun> tiny;
     for (const auto& t : transports) {
@@ -577,7 +637,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("%-18s %12s %16s\n", "path", "step ms", "messages/s");
+  if (wanted("tiny")) std::printf("%-18s %12s %16s\n", "path", "step ms", "messages/s");
   for (const auto& t : transports) {
     for (const char* mode : {"batched", "unbatched"}) {
       const std::string name = t + " " + mode;
@@ -591,9 +651,10 @@ int main(int argc, char** argv) {
   // ---- 3. single-key sweep ----
   std::vector<std::size_t> sizes{4u << 10, 1u << 20, 16u << 20, 64u << 20};
   if (!quick) sizes.push_back(256u << 20);
-  std::printf("\n== one key, push then pull; 1 worker; serial and 8 in flight\n");
+  if (wanted("sweep")) std::printf("\n== one key, push then pull; 1 worker; serial and 8 in flight\n");
   std::map<std::string, std::map<std::size_t, std::vector<SweepResult>>> sweep;
   std::map<std::string, std::vector<double>> ops4k;
+  std::map<std::size_t, std::vector<double>> reference_s;  // memory_reference, per size
   if (wanted("sweep")) {
     std::map<std::string, SweepRun> runs;
     for (const auto& t : transports) {
@@ -607,10 +668,13 @@ int main(int argc, char** argv) {
         }
         ops4k[t].push_back(run.pipelined_4k_ops(20));
       }
+      for (auto s : sizes) reference_s[s].push_back(memory_reference(s, s >= (16u << 20) ? shard_count : 1, s <= (1u << 20) ? 50 : 4));
     }
   }
-  std::printf("%-5s %8s %11s %11s %11s %11s %12s %12s %10s\n", "tport", "size", "push p50us",
-              "push p99us", "pull p50us", "pull p99us", "serial GB/s", "8-fly GB/s", "faults/op");
+  if (wanted("sweep")) {
+    std::printf("%-5s %8s %11s %11s %11s %11s %12s %12s %10s\n", "tport", "size", "push p50us",
+                "push p99us", "pull p50us", "pull p99us", "serial GB/s", "8-fly GB/s", "faults/op");
+  }
   std::map<std::string, std::map<std::size_t, double>> serial_gbs, push_p50_us;
   double faults_big = 0;
   for (const auto& t : transports) {
@@ -634,6 +698,17 @@ int main(int argc, char** argv) {
                   median(faults));
     }
   }
+  std::map<std::size_t, double> reference_gbs;
+  for (auto s : sizes) {
+    if (reference_s[s].empty()) continue;
+    reference_gbs[s] = 2.0 * static_cast<double>(s) / median(reference_s[s]) / 1e9;
+    std::printf("%-5s %8s %11s %11s %11s %11s %12.2f %12s %10s\n", "ref", size_name(s).c_str(), "-",
+                "-", "-", "-", reference_gbs[s], "-", "-");
+  }
+  if (!reference_gbs.empty()) {
+    std::printf("(ref: the memory reference, the update pass and the reply copy over buffers of "
+                "that size by as many threads as the server has shards from 16 MiB, no messaging)\n");
+  }
   for (const auto& t : transports) {
     if (ops4k.count(t)) std::printf("%s: pipelined 4 KiB pushes: %.0f ops/s\n", t.c_str(), median(ops4k[t]));
   }
@@ -648,12 +723,14 @@ int main(int argc, char** argv) {
               size_name(big).c_str());
   std::printf(
       "SUMMARY shm_step_vs_gloo=%.2f tcp_step_vs_gloo=%.2f tcp_step_vs_memcpy=%.2f "
-      "tcp_goodput_%s_vs_16m=%.2f shm_goodput_%s_vs_16m=%.2f faults_per_op_%s=%.2f "
+      "tcp_goodput_%s_vs_16m=%.2f shm_goodput_%s_vs_16m=%.2f ref_goodput_%s_vs_16m=%.2f "
+      "faults_per_op_%s=%.2f "
       "tcp_push_4k_p50_us=%.1f shm_push_4k_p50_us=%.1f tcp_pipelined_4k_ops_per_s=%.0f "
       "shm_pipelined_4k_ops_per_s=%.0f tiny_tcp_batched_vs_unbatched=%.2f tiny_shm_batched_vs_unbatched=%.2f\n",
       ratio(shm_ms, gloo_ms), ratio(tcp_ms, gloo_ms), ratio(tcp_ms, median(step_s["memcpy ceiling"]) * 1e3),
       size_name(big) == "256 MiB" ? "256m" : "64m", ratio(serial_gbs["tcp"][big], serial_gbs["tcp"][16u << 20]),
       size_name(big) == "256 MiB" ? "256m" : "64m", ratio(serial_gbs["shm"][big], serial_gbs["shm"][16u << 20]),
+      size_name(big) == "256 MiB" ? "256m" : "64m", ratio(reference_gbs[big], reference_gbs[16u << 20]),
       size_name(big) == "256 MiB" ? "256m" : "64m", faults_big, push_p50_us["tcp"][4u << 10],
       push_p50_us["shm"][4u << 10], median(ops4k["tcp"]), median(ops4k["shm"]),
       ratio(median(tiny_s["tcp unbatched"]), median(tiny_s["tcp batched"])),
