@@ -22,6 +22,7 @@
 #include "common/base/logging.h"
 #include "common/memory/page_pool.h"
 #include "common/metrics/metrics.h"
+#include "common/placement/placement.h"
 #include "common/proto/message.h"
 #include "common/proto/runtime.h"
 #include "common/record/recorder.h"
@@ -179,6 +180,9 @@ struct Server::Impl final : ReplySink {
   Status init(const config::Config& cfg);
   void make_metrics();
   Status restore_checkpoint();
+  // kConfig when a restored chunk is not one this server owns under the
+  // current partition_bytes and server list (see restore_checkpoint).
+  Status check_checkpoint_layout(const CheckpointData& d, const std::string& path) const;
 
   // ---- transport callbacks (I/O threads) ----
 
@@ -313,6 +317,44 @@ void Server::Impl::make_metrics() {
                                       {{"type", "other"}});
 }
 
+Status Server::Impl::check_checkpoint_layout(const CheckpointData& d, const std::string& path) const {
+  // Every chunk must be one that this server, with this partition_bytes and
+  // server list, owns: otherwise the workers' chunks (placement::chunk_plan)
+  // would not match the restored ones and every init of the key would fail
+  // with a shape error that does not say why.
+  const auto& sc = config.server;
+  const auto num_servers = static_cast<std::uint32_t>(config.cluster.servers.size());
+  for (const auto& e : d.entries) {
+    std::uint64_t elements = 1;
+    for (const std::uint64_t dim : e.shape) elements *= dim;
+    const std::uint64_t element_bytes = proto::dtype_bytes(e.dtype);
+    if (element_bytes == 0) continue;  // the checkpoint reader refuses such entries
+    const std::uint64_t chunks =
+        placement::num_chunks(elements * element_bytes, element_bytes, sc.partition_bytes);
+    std::uint64_t step = sc.partition_bytes - sc.partition_bytes % element_bytes;
+    if (step == 0) step = element_bytes;
+    if (e.num_chunks != chunks || e.offset_elements * element_bytes != e.chunk_index * step) {
+      return make_error(ErrorCode::kConfig,
+                        "checkpoint '{}' was written with another [server] partition_bytes: it "
+                        "cuts key {} ({} bytes) into {} chunk(s), and partition_bytes = {} cuts it "
+                        "into {}; use the partition_bytes the job started with, or another "
+                        "checkpoint_dir to start fresh",
+                        path, e.key, elements * element_bytes, e.num_chunks, sc.partition_bytes,
+                        chunks);
+    }
+    const std::uint32_t owner = placement::server_of(e.key, e.chunk_index, num_servers);
+    if (owner != sc.server_index) {
+      return make_error(ErrorCode::kConfig,
+                        "checkpoint '{}' holds chunk {} of key {}, which with {} server(s) in "
+                        "[cluster] servers belongs to server {}, not to this server {}: it was "
+                        "written by a job with another server list; use the job's server list, "
+                        "or another checkpoint_dir to start fresh",
+                        path, e.chunk_index, e.key, num_servers, owner, sc.server_index);
+    }
+  }
+  return ok_status();
+}
+
 Status Server::Impl::restore_checkpoint() {
   const auto& sc = config.server;
   if (sc.checkpoint_dir.empty()) return ok_status();
@@ -346,6 +388,7 @@ Status Server::Impl::restore_checkpoint() {
               loaded.path.string(), proto::consistency_name(d.consistency),
               config::to_string(config.server.consistency));
   }
+  EMBER_TRY(check_checkpoint_layout(d, loaded.path.string()));
   const std::size_t n = d.entries.size();
   for (auto& e : d.entries) {
     const std::uint32_t s = shard_of(e.key, e.chunk_index, static_cast<std::uint32_t>(shards.size()));

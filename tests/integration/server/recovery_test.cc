@@ -17,6 +17,7 @@
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
+#include "common/placement/placement.h"
 #include "server/checkpoint.h"
 #include "tests/integration/server/harness.h"
 #include "worker/worker.h"
@@ -236,6 +237,64 @@ TEST(ServerRecovery, CorruptCheckpointsAreMovedAsideAndNeverDisplaceValidOnes) {
 
 // An unusable checkpoint_dir is refused at start, naming the path, the errno
 // text and the knob, not found out at SIGTERM after the whole job.
+// A checkpoint cut with another partition_bytes, or written by a job with
+// another server list, would leave the workers addressing chunks the server
+// does not hold: the server refuses it at start, naming the setting.
+TEST(ServerRecovery, CheckpointOfAnotherPartitionOrServerListIsRefusedAtStart) {
+  TempDir dir;
+  ClusterSpec spec = adam_spec(dir);
+  spec.partition_bytes = "4KB";
+  const std::uint64_t shape[] = {8, 256};  // 8 KiB: two chunks of 4 KiB
+  const std::vector<float> values(2048, 0.5f);
+  // Keys whose chunks include one that server 1 of 2 would own.
+  std::vector<Key> keys;
+  for (Key k = 1; keys.size() < 4; ++k) {
+    if (placement::server_of(k, 0, 2) == 1 || placement::server_of(k, 1, 2) == 1) keys.push_back(k);
+  }
+  {
+    ServerProcess a(dir, spec, 0);
+    ASSERT_TRUE(a.ok());
+    auto w = connect_worker(spec, a.address(), 0);
+    ASSERT_TRUE(w);
+    for (Key k : keys) ASSERT_TRUE(w->init(k, shape, values).wait());
+    ASSERT_TRUE(w->checkpoint().wait());
+  }
+  auto expect_refused = [&](const ClusterSpec& s, const std::string& what) {
+    std::vector<std::string> servers;
+    for (std::uint32_t i = 0; i < s.num_servers; ++i) servers.push_back(fmt::format("127.0.0.1:{}", 1 + i));
+    const auto config = dir / "restart.toml";
+    write_file(config, cluster_toml(s, servers));
+    const auto log_path = dir / "restart.log";
+    std::filesystem::remove(log_path);
+    Process server(server_binary(),
+                   {"--config", config.string(), "--listen", "127.0.0.1:0", "--set", "server.server_index=0"},
+                   log_path);
+    EXPECT_FALSE(server.wait_line("ember-server ready", 20s)) << what;
+    const auto status = server.wait_exit(20s);
+    ASSERT_TRUE(status) << "ember-server kept running with " << what;
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0);
+    const std::string log = read_file(log_path);
+    EXPECT_NE(log.find(what), std::string::npos) << log;
+    EXPECT_NE(log.find("another checkpoint_dir to start fresh"), std::string::npos) << log;
+  };
+  ClusterSpec wider = spec;
+  wider.partition_bytes = "8KB";
+  expect_refused(wider, "was written with another [server] partition_bytes: it cuts key");
+  ClusterSpec two = spec;
+  two.num_servers = 2;
+  expect_refused(two, "written by a job with another server list");
+  // The job's own settings still restore it.
+  ServerProcess b(dir, spec, 0);
+  ASSERT_TRUE(b.ok());
+  auto w = connect_worker(spec, b.address(), 0);
+  ASSERT_TRUE(w);
+  // init of a restored key is a no-op: the checkpoint's values stay.
+  ASSERT_TRUE(w->init(keys[0], shape, std::vector<float>(2048, 9.0f)).wait());
+  std::vector<float> got(2048);
+  ASSERT_TRUE(w->pull(keys[0], got).wait());
+  EXPECT_EQ(got, values);
+}
+
 TEST(ServerRecovery, UnwritableCheckpointDirIsRefusedAtStart) {
   TempDir dir;
   write_file(dir / "file", "");
