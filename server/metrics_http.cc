@@ -1,6 +1,7 @@
 // Prometheus endpoint over Boost.Beast; see metrics_http.h.
 #include "server/metrics_http.h"
 
+#include <cerrno>
 #include <thread>
 
 #include <boost/asio/ip/tcp.hpp>
@@ -117,8 +118,14 @@ Result<std::unique_ptr<MetricsHttp>> MetricsHttp::start(
   if (!ec) impl->acceptor.bind(endpoint, ec);
   if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) {
-    return make_sys_error(ec.value(), "metrics endpoint: cannot listen on {}:{} ({})", host, port,
-                          ec.message());
+    if (ec.value() == EADDRINUSE) {
+      return make_sys_error(ec.value(),
+                            "[server] metrics_listen: {}:{} is already in use: another process "
+                            "listens there (`ss -ltnp` names it); stop it, or set metrics_listen "
+                            "to another port (port 0 picks a free one)",
+                            host, port);
+    }
+    return make_sys_error(ec.value(), "[server] metrics_listen: cannot listen on {}:{}", host, port);
   }
   const tcp::endpoint bound = impl->acceptor.local_endpoint(ec);
   std::string bound_text = bound.address().is_v6()

@@ -3,6 +3,7 @@
 #include "server/server.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -498,7 +499,16 @@ Status Server::Impl::init(const config::Config& cfg) {
       [this](std::shared_ptr<transport::Connection> c) { on_accept(std::move(c)); }, handlers);
   if (!l) {
     Error err = l.error();
-    err.with_context(fmt::format("ember-server: cannot listen on {}", listen_at));
+    if (err.sys_errno() == EADDRINUSE) {
+      return tl::unexpected(Error(
+          ErrorCode::kIo,
+          fmt::format("[server] listen: {} is already in use: another process listens there "
+                      "(another ember-server? `ss -ltnp` names it, `ss -lxp` for shm); stop it, or "
+                      "give this server another address with --listen HOST:PORT",
+                      listen_at),
+          EADDRINUSE));
+    }
+    err.with_context("[server] listen");
     return tl::unexpected(err);
   }
   listener = std::move(*l);

@@ -981,8 +981,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
     if (!ec) acceptor_->listen(asio::socket_base::max_listen_connections, ec);
     if (ec) {
       acceptor_.reset();
-      return make_error(ErrorCode::kIo, "cannot listen on {}: {}", endpoint_to_string(endpoint),
-                        ec.message());
+      return make_sys_error(ec.value(), "cannot listen on {}", endpoint_to_string(endpoint));
     }
     address_ = endpoint_to_string(acceptor_->local_endpoint());
     core_->io_object_added();

@@ -212,6 +212,47 @@ TEST(Recording, AnUncreatableFileFailsStartNamingIt) {
   EXPECT_NE(log.find("cannot create '" + base + ".server0'"), std::string::npos) << log;
 }
 
+// A second server on an address (data or metrics) the first one holds exits
+// at once, naming the address, the setting and what to do.
+TEST(ServerStart, AnAddressInUseIsNamedWithWhatToDo) {
+  TempDir dir;
+  ClusterSpec spec;
+  ServerProcess first(dir, spec, 0);
+  ASSERT_TRUE(first.ok());
+  const fs::path config = dir / "second.toml";
+  write_file(config, cluster_toml(spec, {"127.0.0.1:1"}));
+  struct Case {
+    std::vector<std::string> args;
+    std::string want, advice;
+  };
+  const std::vector<Case> cases{
+      {{"--listen", first.address()},
+       "[server] listen: " + first.address() + " is already in use",
+       "another address with --listen HOST:PORT"},
+      {{"--listen", "127.0.0.1:0", "--set", "server.metrics_listen=" + first.metrics_address()},
+       "[server] metrics_listen: " + first.metrics_address() + " is already in use",
+       "set metrics_listen to another port"},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    std::vector<std::string> args{"--config", config.string()};
+    args.insert(args.end(), cases[i].args.begin(), cases[i].args.end());
+    const fs::path log_path = dir / fmt::format("second{}.log", i);
+    Process second(server_binary(), args, log_path);
+    const auto status = second.wait_exit(20s);
+    ASSERT_TRUE(status) << "the second ember-server kept running: " << cases[i].want;
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0);
+    const std::string log = read_file(log_path);
+    EXPECT_NE(log.find(cases[i].want), std::string::npos) << log;
+    EXPECT_NE(log.find(cases[i].advice), std::string::npos) << log;
+    EXPECT_EQ(log.find("cannot listen on " + first.address() + ": cannot listen"), std::string::npos) << log;
+  }
+  // The first one is unharmed.
+  auto w = Worker::create(worker_config(spec, {first.address()}, 0));
+  ASSERT_TRUE(w) << w.error().to_string();
+  const std::uint64_t shape[] = {4};
+  EXPECT_TRUE((*w)->init(1, shape, std::vector<float>(4, 1.0f)).wait());
+}
+
 // Scrapes `address` until `name` reads `want` or 10 s pass; the last value.
 std::optional<double> scrape_until(const std::string& address, const std::string& name, double want,
                                    emberctl::Exposition* last) {
