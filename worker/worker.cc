@@ -208,6 +208,8 @@ struct ServerLink {
   // Generation of a connection this side closed because the server broke
   // the protocol: its requests are not re-sent (0: none).
   std::atomic<std::uint64_t> poisoned_gen{0};
+  // The join found settings that differ from this worker's config; warned.
+  std::atomic<bool> settings_warned{false};
   // Attempts of the last full reconnect cycle to this server when it failed
   // (0: the last connect succeeded). While set, a new request reconnects
   // with one attempt instead of a full cycle (connect(quick)), so after the
@@ -603,9 +605,26 @@ Status Worker::Impl::join(ServerLink& link) {
     e.with_context(fmt::format("joining server {} at {}", link.index, link.address));
     return tl::unexpected(e);
   }
-  log->debug("joined server {} ({}, {} shard(s))", link.index,
-             proto::consistency_name(static_cast<proto::Consistency>(body.consistency)),
-             body.num_shards);
+  const std::string_view server_consistency =
+      proto::consistency_name(static_cast<proto::Consistency>(body.consistency));
+  log->debug("joined server {} ({}, {} shard(s))", link.index, server_consistency, body.num_shards);
+  // The server's consistency is what applies; a config that says otherwise
+  // is a job whose processes disagree (one server on asp among bsp ones, a
+  // worker told ssp): say so once per server, or every report that quotes
+  // this worker's config is wrong without a hint.
+  const std::string_view mine = config::to_string(config.server.consistency);
+  const bool ssp = config.server.consistency == config::Consistency::kSsp;
+  if ((server_consistency != mine || (ssp && body.staleness != config.server.staleness_steps)) &&
+      !link.settings_warned.exchange(true, std::memory_order_relaxed)) {
+    log->warn("server {} ({}) runs consistency \"{}\"{}, but this worker's config says \"{}\"{}: "
+              "the server's setting applies to the keys it holds; give every process the same "
+              "[server] table",
+              link.index, link.address, server_consistency,
+              body.consistency == static_cast<std::uint8_t>(proto::Consistency::kSsp)
+                  ? fmt::format(" with staleness {}", body.staleness)
+                  : "",
+              mine, ssp ? fmt::format(" with staleness {}", config.server.staleness_steps) : "");
+  }
   return ok_status();
 }
 

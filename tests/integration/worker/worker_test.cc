@@ -9,12 +9,15 @@
 
 #include <algorithm>
 #include <future>
+#include <sstream>
 #include <thread>
 
 #include <boost/asio/io_context.hpp>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
 
+#include "common/base/logging.h"
 #include "common/memory/size_class.h"
 #include "server/server.h"
 
@@ -238,6 +241,45 @@ TEST(WorkerClient, AWorkerWithAnotherPartitionBytesIsRefusedAtJoin) {
                                        "tensors into chunks of 4194304 bytes"),
             std::string::npos)
       << w.error().to_string();
+}
+
+// A worker whose config names another consistency than the server's joins
+// (the server's setting applies) and says so once, naming both.
+TEST(WorkerClient, AConsistencyThatDiffersFromTheServersIsWarnedAboutOnce) {
+  LocalServer s(base_config(1));  // bsp
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+  auto log = ember::log::logger("worker");
+  log->sinks().push_back(sink);
+  struct Remove {
+    std::shared_ptr<spdlog::logger> log;
+    ~Remove() { log->sinks().pop_back(); }
+  } remove{log};
+
+  config::Config same = s.config;
+  config::set_worker_rank(same, 0);
+  {
+    auto w = Worker::create(same);
+    ASSERT_TRUE(w) << w.error().to_string();
+  }
+  EXPECT_EQ(out.str().find("runs consistency"), std::string::npos) << out.str();
+
+  config::Config other = s.config;
+  ASSERT_TRUE(config::set_value(other, "server.consistency", "ssp"));
+  ASSERT_TRUE(config::set_value(other, "server.staleness", "3"));
+  config::set_worker_rank(other, 0);
+  auto w = Worker::create(other);
+  ASSERT_TRUE(w) << w.error().to_string();
+  const std::string text = out.str();
+  EXPECT_NE(text.find("server 0 (" + s.server->address() + ") runs consistency \"bsp\", but this "
+                      "worker's config says \"ssp\" with staleness 3: the server's setting applies"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("give every process the same [server] table"), std::string::npos) << text;
+  // The job runs (under the server's bsp).
+  ASSERT_TRUE((*w)->init(1, kShape, kInit).wait());
+  std::vector<float> got(4);
+  ASSERT_TRUE((*w)->push_pull(1, kInit, got).wait());
 }
 
 TEST(WorkerClient, SetLearningRateAppliesToLaterSteps) {
