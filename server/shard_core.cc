@@ -32,7 +32,9 @@ ShardCore::Entry* ShardCore::find(const Request& request, ReplySink& sink) {
   if (it == entries_.end()) {
     sink.error(request.to, h,
                Error(ErrorCode::kNotFound,
-                     fmt::format("{} is not registered; call init for the key first",
+                     fmt::format("{} is not registered; call init for the key first (a worker "
+                                 "that did: this server restarted without a checkpoint to restore, "
+                                 "[server] checkpoint_dir, and lost the job's parameters)",
                                  entry_name(EntryId{h.key, h.chunk_index}))));
     return nullptr;
   }

@@ -185,6 +185,10 @@ TEST_F(ShardCoreTest, UnknownKeyIsNotFound) {
     EXPECT_TRUE(x.is_error);
     EXPECT_EQ(x.error.code(), ErrorCode::kNotFound);
     EXPECT_NE(x.error.message().find("key 99"), std::string::npos);
+    // What to do, and the cause when the worker did init: a restart that lost the state.
+    EXPECT_NE(x.error.message().find("call init for the key first"), std::string::npos);
+    EXPECT_NE(x.error.message().find("restarted without a checkpoint to restore"), std::string::npos)
+        << x.error.message();
   }
 }
 
