@@ -20,6 +20,8 @@
 # Defaults: 2 workers, 1 server, 3 epochs, tcp, bsp, batch 128 per worker,
 # seed 1, momentum 0.9 and lr 0.05 — under asp and ssp 0.05 / N: there the
 # server applies each worker's gradient on arrival instead of their average.
+# The one-process baseline uses lr under bsp and N * lr under asp and ssp (0.05
+# with the defaults), --lr included.
 # --min-accuracy is the test accuracy every worker must reach (default 0.85
 # for bsp with >= 3 epochs, else 0.5, which only catches a diverged run).
 # Exit status 0 when everything worked; non-zero when a step failed (build, a
@@ -67,6 +69,10 @@ if [[ -z $lr ]]; then
   if [[ $mode == bsp ]]; then lr=0.05; else lr=$(awk -v n="$workers" 'BEGIN { printf "%.6g", 0.05 / n }'); fi
 fi
 [[ $lr =~ ^[0-9]*\.?[0-9]+([eE]-?[0-9]+)?$ ]] || die "--lr must be a positive number (got '$lr')"
+# The one-process baseline takes the step the job takes per round: bsp applies
+# the mean of the N gradients with lr (a batch of N*B at lr), asp and ssp
+# apply each worker's gradient with lr (about N*lr per N*B samples).
+if [[ $mode == bsp ]]; then baseline_lr=$lr; else baseline_lr=$(awk -v l="$lr" -v n="$workers" 'BEGIN { printf "%.6g", l * n }'); fi
 [[ $min_accuracy =~ ^(0(\.[0-9]+)?|1(\.0+)?)$ ]] || die "--min-accuracy must be in [0, 1] (got '$min_accuracy')"
 
 if [[ -t 1 ]]; then bold=$'\e[1m'; red=$'\e[31m'; green=$'\e[32m'; off=$'\e[0m'; else bold=""; red=""; green=""; off=""; fi
@@ -291,14 +297,14 @@ t_trained=$SECONDS
 # ---------------------------------------------------------------- baseline
 say "baseline: the same model in one process without Ember (batch $((workers * batch)), seed $seed)"
 "$baseline_bin" --batch-size $((workers * batch)) --epochs "$epochs" --seed "$seed" \
-  --optimizer sgd --lr 0.05 --momentum 0.9 >"$run_dir/baseline.log" 2>&1 \
+  --optimizer sgd --lr "$baseline_lr" --momentum 0.9 >"$run_dir/baseline.log" 2>&1 \
   || { show_log "$run_dir/baseline.log"; fail "fmnist-baseline failed"; }
 baseline=$(grep -a '^RESULT' "$run_dir/baseline.log" | tail -n 1)
 
 # ---------------------------------------------------------------- table
 echo
 echo "${bold}Fashion-MNIST MLP 784-256-128-10, $epochs epoch(s), momentum SGD m 0.9, seed $seed${off}"
-echo "Ember: $workers worker(s) x batch $batch, $servers server(s), $transport, $mode, lr $lr; one process: batch $((workers * batch)), lr 0.05"
+echo "Ember: $workers worker(s) x batch $batch, $servers server(s), $transport, $mode, lr $lr; one process: batch $((workers * batch)), lr $baseline_lr"
 printf '%-26s %6s %9s %11s %11s %9s\n' "run" "epochs" "test acc" "samples/s" "comm share" "train s"
 total_rate=0
 slowest=0

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/base/units.h"
 #include "tools/emberctl/report.h"
@@ -72,6 +73,11 @@ std::string config_summary(const config::Config& c, std::string_view path) {
                      config::to_string(c.server.consistency), config::to_string(c.server.on_worker_loss),
                      c.server.checkpoint_dir.empty() ? std::string("off") : c.server.checkpoint_dir,
                      c.server.metrics_listen ? c.server.metrics_listen->to_string() : std::string("off"));
+  out += fmt::format("  shards              {} per server{}, partition_bytes {}\n", c.server.num_shards,
+                     c.server.shard_cpu_affinity.empty()
+                         ? std::string()
+                         : fmt::format(" (pinned to CPUs {})", fmt::join(c.server.shard_cpu_affinity, ",")),
+                     format_bytes(c.server.partition_bytes));
   out += fmt::format("  recording           {}\n",
                      cm.record_pattern ? fmt::format("on, to {}", cm.record_path) : std::string("off"));
   return out;

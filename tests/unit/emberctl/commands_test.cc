@@ -165,7 +165,7 @@ TEST(ConfigSummary, NamesTheKnobsAnOperatorChecks) {
   auto c = parse(
       "[communication]\nchannels = 4\nbatch_threshold = \"8KB\"\nprealloc_pages = 64\n"
       "[cluster]\nservers = [\"a:1\", \"b:2\"]\nnum_workers = 3\n"
-      "[server]\ncheckpoint_dir = \"/var/lib/ember\"\n");
+      "[server]\ncheckpoint_dir = \"/var/lib/ember\"\nshards = 2\npartition_bytes = \"1MB\"\n");
   const std::string s = config_summary(c, "job.toml");
   EXPECT_NE(s.find("job.toml: valid"), std::string::npos);
   EXPECT_NE(s.find("channels            4\n"), std::string::npos) << s;
@@ -173,6 +173,7 @@ TEST(ConfigSummary, NamesTheKnobsAnOperatorChecks) {
   EXPECT_NE(s.find("64 pages of 2 MiB (128 MiB)"), std::string::npos) << s;
   EXPECT_NE(s.find("2 server(s): a:1, b:2; 3 worker(s)"), std::string::npos) << s;
   EXPECT_NE(s.find("checkpoints /var/lib/ember, metrics off"), std::string::npos) << s;
+  EXPECT_NE(s.find("shards              2 per server, partition_bytes 1 MiB\n"), std::string::npos) << s;
 }
 
 TEST(RecordingSummary, PeakOccupancyMedianSizeAndHotRanks) {
