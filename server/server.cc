@@ -372,8 +372,16 @@ Status Server::Impl::restore_checkpoint() {
   EMBER_ASSIGN_OR_RETURN(LoadResult loaded, load_newest_checkpoint(sc.checkpoint_dir, sc.server_index));
   next_sequence = loaded.next_sequence;
   if (!loaded.data) {
-    log->info("no checkpoint to restore in '{}'{}", sc.checkpoint_dir,
-              loaded.refused.empty() ? "" : fmt::format(" ({} refused)", loaded.refused.size()));
+    if (loaded.refused.empty()) {
+      log->info("no checkpoint to restore in '{}'", sc.checkpoint_dir);
+    } else {
+      // Every file was refused (each logged above): the job's state is not
+      // restored, which the operator must notice.
+      log->warn("no valid checkpoint in '{}': all {} refused and set aside as *.corrupt; starting "
+                "with no parameters (workers' init registers them again). To restore, put a valid "
+                "checkpoint back, or stop this server before the workers start",
+                sc.checkpoint_dir, loaded.refused.size());
+    }
     return ok_status();
   }
   CheckpointData& d = *loaded.data;

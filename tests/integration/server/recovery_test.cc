@@ -295,6 +295,35 @@ TEST(ServerRecovery, CheckpointOfAnotherPartitionOrServerListIsRefusedAtStart) {
   EXPECT_EQ(got, values);
 }
 
+TEST(ServerRecovery, OnlyCorruptCheckpointsAreAWarningAndAFreshStart) {
+  TempDir dir;
+  const ClusterSpec spec = adam_spec(dir);
+  {
+    ServerProcess a(dir, spec, 0);
+    ASSERT_TRUE(a.ok());
+    auto w = connect_worker(spec, a.address(), 0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+    ASSERT_TRUE(w->checkpoint().wait());
+  }
+  auto files = server::list_checkpoints(dir / "ckpt", 0);
+  ASSERT_TRUE(files);
+  ASSERT_FALSE(files->empty());
+  for (const auto& f : *files) std::filesystem::resize_file(f.second, 10);
+  ServerProcess b(dir, spec, 0);
+  ASSERT_TRUE(b.ok());
+  const std::string log = b.log();
+  EXPECT_NE(log.find(fmt::format("[warning] [server] no valid checkpoint in '{}': all {} refused",
+                                 (dir / "ckpt").string(), files->size())),
+            std::string::npos)
+      << log;
+  auto w = connect_worker(spec, b.address(), 0);
+  ASSERT_TRUE(w);
+  auto step = w->init(5, kShape, initial()).wait();
+  ASSERT_TRUE(step) << step.error().to_string();
+  EXPECT_EQ(*step, 0u);  // a fresh start
+}
+
 TEST(ServerRecovery, UnwritableCheckpointDirIsRefusedAtStart) {
   TempDir dir;
   write_file(dir / "file", "");
