@@ -156,6 +156,7 @@ Status EmberExchange::start(std::span<const Parameter> params) {
                                   rank0 ? std::span<const float>(p.value) : std::span<const float>()));
   }
   Status first = ok_status();
+  std::vector<std::uint64_t> steps(tensors_.size(), 0);
   for (std::size_t i = 0; i < inits.size(); ++i) {
     const Result<std::uint64_t> r = inits[i].wait();
     if (!first) continue;
@@ -163,23 +164,63 @@ Status EmberExchange::start(std::span<const Parameter> params) {
     if (!r) {
       first = with_context(r.error(), fmt::format("init of {} (key {}, shape [{}, {}])", p.name,
                                                   p.key, p.rows, p.cols));
-    } else if (*r != 0) {
+    } else if (*r != 0 && !options_.rejoin) {
       first = make_error(
           ErrorCode::kInvalidArgument,
-          "init of {} (key {}): the servers already hold this tensor at step {}, the parameters "
-          "of an earlier job (or restored from a checkpoint). This trainer starts from its seed "
-          "at step 0: start fresh servers (or give them an empty server.checkpoint_dir)",
+          "init of {} (key {}): the servers already hold this tensor at step {}. If this worker "
+          "is a restarted rank of the job they are running, pass --rejoin to continue from "
+          "their step (see docs/troubleshooting.md#worker-loss). Otherwise these are the "
+          "parameters of an earlier job (or restored from a checkpoint), and this trainer starts "
+          "from its seed at step 0: start fresh servers (or give them an empty "
+          "server.checkpoint_dir)",
           p.name, p.key, *r);
+    } else {
+      steps[i] = *r;
     }
   }
   EMBER_TRY(first);
 
+  // Rejoin (ember_exchange.h): continue from the smallest step; a key one
+  // ahead already has this rank's push of that step.
+  const auto [min_it, max_it] = std::minmax_element(steps.begin(), steps.end());
+  const std::uint64_t min_step = steps.empty() ? 0 : *min_it;
+  const std::uint64_t max_step = steps.empty() ? 0 : *max_it;
+  if (max_step - min_step > 1) {
+    const std::size_t lo = static_cast<std::size_t>(min_it - steps.begin());
+    const std::size_t hi = static_cast<std::size_t>(max_it - steps.begin());
+    return make_error(ErrorCode::kInvalidArgument,
+                      "rejoin: the servers hold {} (key {}) at step {} but {} (key {}) at step "
+                      "{}; a rank restarted during a step finds its tensors at most one step "
+                      "apart, so these are not one running job's (start fresh servers, without "
+                      "--rejoin)",
+                      tensors_[lo].name, tensors_[lo].key, min_step, tensors_[hi].name,
+                      tensors_[hi].key, max_step);
+  }
+  resume_step_ = max_step > 0 ? min_step : 0;
+  next_step_ = resume_step_;
+  pushed_at_resume_.assign(tensors_.size(), false);
+  for (std::size_t i = 0; i < steps.size(); ++i) pushed_at_resume_[i] = steps[i] > min_step;
+  if (const auto ahead = std::count(pushed_at_resume_.begin(), pushed_at_resume_.end(), true);
+      ahead > 0) {
+    log::logger("fmnist")->info(
+        "rank {} rejoins at step {}: {} of {} tensor(s) are at step {} already (this rank pushed "
+        "them before it stopped; re-sent, they are acknowledged without effect), so step {} "
+        "uses their parameters after it",
+        worker_->rank(), min_step, ahead, tensors_.size(), min_step + 1, min_step);
+  }
+
   // Every rank (rank 0 included, for uniformity) starts from the servers'
-  // copy.
+  // copy: for a rank that rejoins, each tensor at the step init reported
+  // (the client's step(key)).
   for (const Parameter& p : tensors_) {
     in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0});
   }
   return drain("initial pull", /*resync=*/false);
+}
+
+Status EmberExchange::resume_after_epoch(std::uint32_t epoch) {
+  rejoin_barrier_ = RejoinBarrier{worker_->barrier(), epoch};
+  return ok_status();
 }
 
 Status EmberExchange::gradients_ready(std::uint64_t step, std::span<const Parameter> tensors) {
@@ -191,7 +232,10 @@ Status EmberExchange::gradients_ready(std::uint64_t step, std::span<const Parame
   for (const Parameter& p : tensors) {
     EMBER_ASSIGN_OR_RETURN(const std::size_t i, index_of(p));
     const std::uint64_t client_step = worker_->step(p.key);
-    const auto expected = static_cast<std::int64_t>(step) + offset_[i];
+    // Rejoin: at the resume step, a key one ahead already has this rank's
+    // push of it on the servers (ember_exchange.h).
+    const bool pushed = pushed_at_resume_[i] && step == resume_step_;
+    const auto expected = static_cast<std::int64_t>(step) + offset_[i] + (pushed ? 1 : 0);
     if (static_cast<std::int64_t>(client_step) != expected || pending_[i]) {
       return make_error(ErrorCode::kInternal,
                         "push of {} (key {}) for trainer step {}: the worker client is at step {} "
@@ -199,6 +243,14 @@ Status EmberExchange::gradients_ready(std::uint64_t step, std::span<const Parame
                         "expected)",
                         p.name, p.key, step, client_step, expected, offset_[i],
                         pending_[i] ? " and its previous push_pull was not awaited" : "");
+    }
+    if (pushed) {
+      // Re-sent at its own step: acknowledged without effect, answered with
+      // the parameters after that step's round (client_step is step + 1).
+      pushed_at_resume_[i] = false;
+      pending_[i] = InFlight{worker_->push_pull(p.key, p.grad, p.value, step), p.key, p.name,
+                             client_step};
+      continue;
     }
     // The reply to a push_pull of client step c carries the step to compute
     // next: c + 1 once the push is in.
@@ -248,8 +300,33 @@ Status EmberExchange::finish_epoch(std::uint32_t epoch) {
   if (Status s = sync(); !s) {
     return with_context(s.error(), fmt::format("end of epoch {}", epoch));
   }
-  const Result<std::uint64_t> r = worker_->barrier().wait();
-  if (!r) return with_context(r.error(), fmt::format("barrier after epoch {}", epoch));
+  bool barrier_done = false;
+  if (rejoin_barrier_) {
+    // Sent when this rank rejoined after epoch e = rejoin_barrier_->epoch
+    // (ember_exchange.h): the barrier after epoch x completes in generation
+    // x - 1.
+    const RejoinBarrier sent = std::move(*rejoin_barrier_);
+    rejoin_barrier_.reset();
+    const Result<std::uint64_t> g = sent.handle.wait();
+    if (!g) {
+      return with_context(g.error(), fmt::format("barrier sent on rejoining after epoch {}",
+                                                 sent.epoch));
+    }
+    if (epoch == sent.epoch || *g + 1 == epoch) {
+      barrier_done = true;  // it was this epoch's barrier
+    } else if (*g + 1 != sent.epoch) {
+      return make_error(ErrorCode::kInternal,
+                        "barrier after epoch {}: the barrier this rank sent on rejoining after "
+                        "epoch {} completed in generation {}, neither epoch {}'s ({}) nor epoch "
+                        "{}'s ({}): the servers' barrier count does not follow the epochs (were "
+                        "they restarted?); restart the job",
+                        epoch, sent.epoch, *g, sent.epoch, sent.epoch - 1, epoch, epoch - 1);
+    }
+  }
+  if (!barrier_done) {
+    const Result<std::uint64_t> r = worker_->barrier().wait();
+    if (!r) return with_context(r.error(), fmt::format("barrier after epoch {}", epoch));
+  }
   // Every worker's pushes of the epoch are in: fetch the parameters that
   // include them all, so that every worker evaluates the same model (under
   // asp and ssp a worker's last reply predates the others' last pushes;

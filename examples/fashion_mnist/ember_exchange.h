@@ -30,11 +30,39 @@
 //
 // Steps. The Trainer counts steps from 0; the worker client counts pushes per
 // key from the step the servers report at init (0 for a fresh job). A server
-// that already holds the keys at a later step (a previous job's state, e.g.
-// restored from a checkpoint) is refused at start(): this trainer always
+// that already holds the keys at a later step is refused at start() unless
+// the exchange was made with rejoin (below): without it, this trainer
 // starts from its seed at step 0. Each push_pull checks that the client's
 // step for the key is the trainer's step plus the key's offset (0 until a
 // resync).
+//
+// Rejoin (EmberExchangeOptions::rejoin; fmnist-worker --rejoin). A rank
+// restarted while its job runs (kill -9, crash; the servers' on_worker_loss
+// = "wait" kept the job waiting for it) finds the keys at steps > 0: init
+// replies with the step to compute next, the round's version under bsp (the
+// rank's own count of pushes under asp/ssp). The rank died at some step s
+// during backward, after pushing some of that step's tensors: their round of
+// s completed once the others pushed, so they are at s + 1, the rest at s.
+// start() then takes s = the smallest step over the tensors as
+// resume_step() (more than one apart is refused: not one job's rank), pulls
+// every tensor at its own step (the job's current parameters) and keeps
+// every offset at 0: the other ranks push trainer step t at client step t
+// for every key, and so must this one (an offset of +1 would pair this
+// rank's step t with their t + 1 forever, and the job would deadlock at the
+// end of an epoch). A tensor already at s + 1 has this rank's push of s on
+// the servers: gradients_ready(s) re-sends it at step s explicitly
+// (Worker::push_pull with a step), which the servers acknowledge without
+// applying (one push per worker, key and step) and answer with the
+// parameters after round s; from step s + 1 on every key is pushed as
+// usual. The gradients of that one step are computed with those tensors
+// already at s + 1, so it is not bit-identical to an uninterrupted run.
+// When s is the start of an epoch, the others may be waiting in the end of
+// the previous epoch's barrier (the rank died before it) or past it:
+// resume_after_epoch(e) sends a barrier at once and does not wait for it;
+// the next finish_epoch waits for it and tells the two cases apart by the
+// generation it completed in (the barrier after epoch x is generation x - 1:
+// one per epoch since the servers started). A rank that rejoins with
+// nothing in flight on the servers (every key at 0) just starts the job.
 //
 // Resync after a server restart. A server killed during training (kill -9,
 // crash) restores its newest checkpoint, which may be older than the job's
@@ -98,10 +126,18 @@ struct PoolModelBuffers {
 // over shm).
 Result<PoolModelBuffers> bind_pool_buffers(Worker& worker, Mlp& model);
 
+struct EmberExchangeOptions {
+  // This rank is a restarted worker of a job the servers are running:
+  // continue from the servers' step (file comment, "Rejoin") instead of
+  // refusing servers that hold the keys at a step > 0.
+  bool rejoin = false;
+};
+
 class EmberExchange final : public GradientExchange {
  public:
   // Borrows `worker` (connected: Worker::create succeeded).
-  explicit EmberExchange(Worker& worker) : worker_(&worker) {}
+  explicit EmberExchange(Worker& worker, EmberExchangeOptions options = {})
+      : worker_(&worker), options_(options) {}
   // Waits for operations still in flight (after an error) so that no I/O
   // thread touches the model's buffers afterwards.
   ~EmberExchange() override;
@@ -113,9 +149,19 @@ class EmberExchange final : public GradientExchange {
   // the servers hold a key with another shape — another model; kWorkerLost:
   // rank 0 lost before it registered the keys; kTimeout, kClosed), each
   // naming the tensor; kInvalidArgument when the servers are at step > 0 for
-  // a key (a previous job's parameters: start fresh servers) or disagree
-  // between keys.
+  // a key without rejoin (the message says: a restarted rank passes
+  // --rejoin; else a previous job's parameters, start fresh servers), or,
+  // with rejoin, when the keys' steps are more than one apart.
   Status start(std::span<const Parameter> params) override;
+
+  // After start(): the step to continue from (file comment, "Rejoin"); 0
+  // for a fresh job.
+  std::uint64_t resume_step() const override { return resume_step_; }
+
+  // Sends a barrier and returns without waiting for it; the next
+  // finish_epoch waits for it (file comment, "Rejoin"). Errors: none here
+  // (the barrier's are finish_epoch's).
+  Status resume_after_epoch(std::uint32_t epoch) override;
 
   // Enqueues push_pull for each tensor and flushes. Does not wait for
   // replies. A flush that meets a lost connection (kClosed, kIo) is not an
@@ -143,8 +189,14 @@ class EmberExchange final : public GradientExchange {
   Status sync() override;
 
   // sync(), a barrier, then a pull of every tensor into its value buffer.
-  // Blocks. Errors: sync's, the barrier's and the pulls' (kWorkerLost,
-  // kTimeout, kClosed), naming the epoch (and the tensor).
+  // Blocks. After resume_after_epoch(e), its barrier is waited for first:
+  // in finish_epoch(e) it is the epoch's barrier; in finish_epoch(e + 1) it
+  // is when it completed in epoch e + 1's generation (the others were past
+  // epoch e's end when this rank rejoined), else a new barrier follows.
+  // Errors: sync's, the barrier's and the pulls' (kWorkerLost, kTimeout,
+  // kClosed), naming the epoch (and the tensor); kInternal when the rejoin
+  // barrier completed in a generation that is neither (the servers
+  // restarted, and their barrier count with them).
   Status finish_epoch(std::uint32_t epoch) override;
 
   // Tensors registered by start() (2 per layer).
@@ -173,6 +225,7 @@ class EmberExchange final : public GradientExchange {
   Result<std::size_t> index_of(const Parameter& p) const;
 
   Worker* worker_;
+  EmberExchangeOptions options_;
   std::vector<Parameter> tensors_;  // key order, as passed to start()
   std::optional<Pipeline> pipeline_;
   std::uint64_t pipeline_step_ = 0;
@@ -184,6 +237,16 @@ class EmberExchange final : public GradientExchange {
   std::vector<std::int64_t> offset_;
   // The trainer step the next gradients_ready will carry (the last one + 1).
   std::uint64_t next_step_ = 0;
+  // Rejoin: the step start() resumed at, and per tensor whether the servers
+  // already hold this rank's push of that step (the key is one ahead).
+  std::uint64_t resume_step_ = 0;
+  std::vector<bool> pushed_at_resume_;
+  // resume_after_epoch's barrier, until finish_epoch waits for it.
+  struct RejoinBarrier {
+    Handle handle;
+    std::uint32_t epoch = 0;
+  };
+  std::optional<RejoinBarrier> rejoin_barrier_;
 };
 
 }  // namespace ember::fashion_mnist

@@ -107,6 +107,39 @@ Status Trainer::start() {
     return tl::unexpected<Error>(std::move(e));
   }
   started_ = true;
+  const std::uint64_t resume = exchange_->resume_step();
+  if (resume == 0) return ok_status();
+  const std::size_t n = steps_per_epoch();
+  const std::uint64_t total = static_cast<std::uint64_t>(options_.epochs) * n;
+  if (resume > total) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "trainer: the job is at step {}, past this run's {} steps ({} epoch(s) of {}); "
+                      "every rank needs the job's --epochs, --batch-size and "
+                      "--max-steps-per-epoch",
+                      resume, total, options_.epochs, n);
+  }
+  const auto epochs_done = static_cast<std::uint32_t>(resume / n);
+  const std::size_t in_epoch = static_cast<std::size_t>(resume % n);
+  step_ = resume;
+  if (in_epoch != 0) {
+    epoch_ = epochs_done;
+    first_step_ = in_epoch;
+  } else if (epochs_done < options_.epochs) {
+    epoch_ = epochs_done;
+    first_step_ = 0;
+  } else {
+    // Every step is done; what may be left is the last epoch's end.
+    epoch_ = epochs_done - 1;
+    first_step_ = n;
+  }
+  resumed_ = ResumePoint{resume, epoch_ + 1, first_step_, n};
+  if (in_epoch == 0) {
+    if (Status s = exchange_->resume_after_epoch(epochs_done); !s) {
+      Error e = s.error();
+      e.with_context(fmt::format("rejoining the job after epoch {}", epochs_done));
+      return tl::unexpected<Error>(std::move(e));
+    }
+  }
   return ok_status();
 }
 
@@ -117,6 +150,9 @@ Result<EpochStats> Trainer::run_epoch() {
   stats.epoch = epoch;
   const std::size_t batch = options_.batch_size;
   const std::size_t steps = steps_per_epoch();
+  // After a resume the first epoch starts at its first step not yet done.
+  const std::size_t first = std::min(first_step_, steps);
+  first_step_ = 0;
   sampler_.epoch_indices(epoch, indices_, permutation_);
 
   double exchange_seconds = 0.0;
@@ -145,7 +181,7 @@ Result<EpochStats> Trainer::run_epoch() {
   double loss_sum = 0.0;
   std::size_t correct = 0;
   const Clock::time_point epoch_begin = Clock::now();
-  for (std::size_t s = 0; s < steps; ++s) {
+  for (std::size_t s = first; s < steps; ++s) {
     current_step = step_;
     const auto batch_indices = std::span<const std::uint32_t>(indices_).subspan(s * batch, batch);
     gather_batch(*train_, batch_indices, model_->input(batch), labels_);
@@ -185,9 +221,9 @@ Result<EpochStats> Trainer::run_epoch() {
   stats.train_seconds = seconds_between(epoch_begin, Clock::now());
   stats.exchange_seconds = exchange_seconds;
   stats.send_seconds = send_seconds;
-  stats.steps = steps;
-  stats.samples = steps * batch;
-  stats.train_loss = steps > 0 ? loss_sum / static_cast<double>(steps) : 0.0;
+  stats.steps = steps - first;
+  stats.samples = stats.steps * batch;
+  stats.train_loss = stats.steps > 0 ? loss_sum / static_cast<double>(stats.steps) : 0.0;
   stats.train_accuracy =
       stats.samples > 0 ? static_cast<double>(correct) / static_cast<double>(stats.samples) : 0.0;
   stats.test = evaluate();

@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -45,7 +46,8 @@ namespace ember::fashion_mnist {
 // first forward finds the values start() left), gradients_ready once per
 // tensor (backward order) and finish_step once; after an epoch's last step
 // sync, then finish_epoch. `step` counts from 0 across epochs and is the same
-// on every rank.
+// on every rank (a rank that rejoined a running job starts at
+// resume_step()).
 //
 // Buffer ownership: the Parameter spans are the model's bound buffers,
 // owned by whoever bound them (for a worker: page-pool blocks it allocated).
@@ -93,6 +95,27 @@ class GradientExchange {
   // After the last finish_step of epoch `epoch` (1-based), before the
   // evaluation (e.g. a barrier). Default: nothing.
   virtual Status finish_epoch(std::uint32_t epoch) {
+    (void)epoch;
+    return ok_status();
+  }
+
+  // Rejoining a running job. After start(): the global step this rank
+  // continues from (the first step it computes). 0 (the default) for a job
+  // that starts now; > 0 when start() joined a job already running (a
+  // restarted rank: EmberExchange with rejoin) and left the job's current
+  // parameters in the value buffers. The Trainer then skips the steps
+  // before it (trainer.h, Trainer::start).
+  virtual std::uint64_t resume_step() const { return 0; }
+
+  // Called by Trainer::start, once, when resume_step() is a positive
+  // multiple of the steps per epoch: every step of epochs 1..`epoch` is
+  // done, but the other ranks may not yet have passed finish_epoch(epoch)
+  // (the rank died between its last push and the end of the epoch) or may
+  // have (it died later). The next finish_epoch call is finish_epoch(epoch)
+  // when `epoch` is the run's last, else finish_epoch(epoch + 1); an
+  // exchange with a barrier must pair its ranks either way. Default:
+  // nothing. An error stops training.
+  virtual Status resume_after_epoch(std::uint32_t epoch) {
     (void)epoch;
     return ok_status();
   }
@@ -155,6 +178,14 @@ struct EpochStats {
   }
 };
 
+// Where a rank that rejoined a running job continues (Trainer::resumed).
+struct ResumePoint {
+  std::uint64_t step = 0;            // global step, from 0
+  std::uint32_t epoch = 0;           // 1-based: the first epoch run_epoch trains
+  std::size_t step_in_epoch = 0;     // steps of that epoch already done (its first step's index)
+  std::size_t steps_in_epoch = 0;    // steps_per_epoch()
+};
+
 struct StepProgress {
   std::uint32_t epoch = 0;          // 1-based
   std::size_t step_in_epoch = 0;    // steps done in this epoch, 1..steps_in_epoch
@@ -180,10 +211,25 @@ class Trainer {
   }
 
   // He-initialises the parameters from the seed and calls exchange.start.
-  // Once, before run_epoch. Errors: the exchange's.
+  // Once, before run_epoch. When the exchange then reports a resume step
+  // s > 0 (GradientExchange::resume_step: this rank rejoined a running
+  // job), training continues from global step s: the next run_epoch trains
+  // epoch s / n + 1 (n = steps_per_epoch()) from its step s % n, with the
+  // epoch's usual sample order (the steps before are skipped, not redone).
+  // When s % n == 0 the exchange is told (resume_after_epoch(s / n)); when
+  // s is the run's last step (epochs * n) the next run_epoch is epoch
+  // `epochs` with no step left: it only finishes the epoch (finish_epoch)
+  // and evaluates. Errors: the exchange's; kInvalidArgument when s >
+  // epochs * n (the servers ran more steps than this run has: every rank
+  // needs the same --epochs, --batch-size and --max-steps-per-epoch).
   Status start();
 
-  // Trains the next epoch (1, 2, ...) and evaluates on the test set.
+  // Set when start() resumed a running job (resume step > 0).
+  const std::optional<ResumePoint>& resumed() const { return resumed_; }
+
+  // Trains the next epoch (1, 2, ...) and evaluates on the test set. After
+  // a resume, the first epoch trains only its remaining steps, and its
+  // stats (steps, samples, train loss and accuracy) cover those.
   // Errors: the exchange's (with epoch and step as context), and
   // kInvalidArgument when the loss becomes NaN or infinite (training
   // diverged: lower the learning rate). pre: start() succeeded.
@@ -215,6 +261,8 @@ class Trainer {
   bool started_ = false;
   std::uint32_t epoch_ = 0;  // last epoch trained
   std::uint64_t step_ = 0;   // steps done, all epochs
+  std::size_t first_step_ = 0;  // index of the next epoch's first step (> 0 after a resume)
+  std::optional<ResumePoint> resumed_;
   std::vector<std::uint32_t> indices_;
   std::vector<std::uint32_t> permutation_;
   std::vector<std::uint8_t> labels_;

@@ -12,8 +12,18 @@
 // Every worker needs the same --epochs, --batch-size, --seed, --hidden and
 // --max-steps-per-epoch: they fix the steps and the samples of each step.
 //
+// A worker that died (kill -9, crash) while the job runs with [server]
+// on_worker_loss = "wait" is restarted with the same command plus --rejoin:
+// it takes the servers' parameters and continues from their step (the epoch
+// and the step in it follow; the epoch's sample order is the usual one), and
+// the run still ends after --epochs epochs in all (ember_exchange.h,
+// "Rejoin"). Without --rejoin a worker refuses servers that are past step 0.
+//
 // Output (stdout), for people and for scripts/demo.sh:
 //   fmnist-worker rank 0/2: ... (one header line)
+//   rank 1 rejoins the job at step 57 (epoch 2, step 17 of 40)   with --rejoin,
+//                          when the job is past step 0 (17 of the epoch's 40
+//                          steps were done: the first one run is its 18th)
 //   progress epoch=1 step=40/234 loss=0.6121         every --progress-every steps
 //   epoch 1/3 steps=234 train_loss=... test_accuracy=... samples_per_s=... comm_share=...
 //   RESULT rank=0 workers=2 ... test_accuracy=0.8712 samples_per_s=... comm_share=...
@@ -69,6 +79,7 @@ struct Options {
   std::size_t max_eval_samples = 0;
   std::size_t progress_every = 10;
   bool initial_eval = false;
+  bool rejoin = false;
   std::string save_params;
   std::string log_level = "info";
   // >= 0: the training thread (this one) is pinned to that CPU once the
@@ -211,7 +222,7 @@ class Run {
 
     EMBER_ASSIGN_OR_RETURN(fm::Mlp model, fm::Mlp::create(spec, fm::required_max_batch_size(topt)));
     EMBER_ASSIGN_OR_RETURN(fm::PoolModelBuffers buffers, fm::bind_pool_buffers(*worker, model));
-    fm::EmberExchange exchange(*worker);
+    fm::EmberExchange exchange(*worker, fm::EmberExchangeOptions{.rejoin = o_.rejoin});
     EMBER_ASSIGN_OR_RETURN(fm::Trainer trainer,
                            fm::Trainer::create(topt, model, data.train, data.test, exchange));
 
@@ -244,6 +255,11 @@ class Run {
     }
 
     EMBER_TRY(trainer.start());
+    if (const auto& r = trainer.resumed()) {
+      fmt::print("rank {} rejoins the job at step {} (epoch {}, step {} of {})\n", worker->rank(),
+                 r->step, r->epoch, r->step_in_epoch, r->steps_in_epoch);
+      std::fflush(stdout);
+    }
     if (o_.initial_eval) {
       const fm::EvalStats e = trainer.evaluate();
       fmt::print("initial test_loss={:.4f} test_accuracy={:.4f}\n", e.loss, e.accuracy);
@@ -339,6 +355,11 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_flag("--initial-eval", o.initial_eval,
                  "Evaluate the initial parameters before training");
+    app.add_flag("--rejoin", o.rejoin,
+                 "This rank is a restarted worker of a job the servers are running: continue "
+                 "from the servers' step (their parameters; the epoch and step follow from it) "
+                 "instead of refusing servers past step 0. Same command otherwise; the job's "
+                 "[server] on_worker_loss must be \"wait\" (or the others failed already)");
     app.add_option("--save-params", o.save_params,
                    "After training, write the parameters to this file (raw float32, key order)");
     app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error, critical, off")
