@@ -20,8 +20,9 @@
 //     reference of each size (memory_reference): where its goodput falls, the
 //     machine's caches, not Ember, set the fall.
 //
-// The server runs one shard thread per CPU (default_shards) unless --set
-// server.shards=N says otherwise.
+// The server runs one shard thread per CPU, each pinned to its CPU
+// (default_shards), unless --set server.shards / server.shard_cpu_affinity
+// say otherwise.
 //
 // Everything runs in this process: the server (ember::server::Server), the
 // workers (ember::Worker, one thread each) and Gloo's ranks (threads). Each
@@ -46,6 +47,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #ifdef EMBER_HAVE_GLOO
 #include <gloo/allreduce_ring.h>
@@ -166,16 +168,30 @@ class Arena {
 // --set KEY=VALUE config overrides, applied to every cluster's config.
 std::vector<std::pair<std::string, std::string>> g_overrides;
 
-// The server's shard threads unless --set server.shards says otherwise: one
-// per CPU this process may run on (2 on the 2-core machines this runs on), so
-// the chunks of a large tensor are applied in parallel. With 1 shard the shm
-// ResNet-50 step measured 52-62 ms against 31-49 ms with 2, and a 256 MiB
-// push 46 ms against 24 ms; tcp stayed within noise.
-unsigned default_shards() {
+// The CPUs this process may run on.
+std::vector<int> allowed_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  const int n = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-  return static_cast<unsigned>(std::clamp(n, 1, 8));
+  std::vector<int> cpus;
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+    }
+  }
+  return cpus;
+}
+
+// The server's shard threads unless --set server.shards says otherwise: one
+// per CPU this process may run on (2 on the 2-core machines this runs on), so
+// the chunks of a large tensor are applied in parallel, each shard pinned to
+// its own CPU (server.shard_cpu_affinity; --set server.shard_cpu_affinity=[]
+// unpins). With 1 shard the shm ResNet-50 step measured 52-62 ms, with 2
+// unpinned 30-50 ms (which depends on where the scheduler first put the
+// shard threads, polling threads are not moved), with 2 pinned 26-30 ms; a
+// 256 MiB push took 46 ms with 1 shard and 22-26 ms with 2; tcp stayed
+// within noise.
+unsigned default_shards() {
+  return static_cast<unsigned>(std::clamp(static_cast<int>(allowed_cpus().size()), 1, 8));
 }
 
 // An in-process server and its workers.
@@ -196,11 +212,11 @@ struct Cluster {
     auto text = fmt::format(
         "[communication]\ntransport = \"{}\"\nprealloc_pages = {}\n"
         "[cluster]\nservers = [\"{}\"]\nnum_workers = {}\n"
-        "[server]\nconsistency = \"bsp\"\nlog_level = \"warn\"\nshards = {}\n"
+        "[server]\nconsistency = \"bsp\"\nlog_level = \"warn\"\nshards = {}\nshard_cpu_affinity = [{}]\n"
         "[optimizer]\ntype = \"sgd\"\nlearning_rate = 1e-9\n"
         "[worker]\nrequest_timeout = \"300s\"\n",
         transport, server_pages, transport == "shm" ? listen : "127.0.0.1:1", num_workers,
-        default_shards());
+        default_shards(), fmt::join(allowed_cpus(), ", "));
     auto cfg = ember::config::parse_config(text, "bench");
     if (!cfg) {
       std::fprintf(stderr, "bench: %s\n", cfg.error().to_string().c_str());
@@ -563,7 +579,13 @@ int main(int argc, char** argv) {
   for (const auto& [key, value] : g_overrides) {
     if (key == "server.shards") shard_count = static_cast<unsigned>(std::max(1, std::atoi(value.c_str())));
   }
-  std::printf("server: %u shard thread(s) (--set server.shards=N to change); transports:", shard_count);
+  std::string pinning = fmt::format("pinned to CPUs [{}]", fmt::join(allowed_cpus(), ", "));
+  for (const auto& [key, value] : g_overrides) {
+    if (key == "server.shard_cpu_affinity") pinning = "shard_cpu_affinity = " + value;
+  }
+  std::printf("server: %u shard thread(s), %s (--set server.shards=N, server.shard_cpu_affinity=[...] "
+              "to change); transports:",
+              shard_count, pinning.c_str());
   for (const auto& t : transports) std::printf(" %s", t.c_str());
   std::printf("\n");
   auto wanted = [&](const char* name) {
