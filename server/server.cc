@@ -174,6 +174,10 @@ struct Server::Impl final : ReplySink {
   std::mutex ckpt_write_mutex;  // one checkpoint at a time
 
   bool shut_down = false;
+  // init() failed: shutdown() only releases what init made, without the
+  // "shutting down" / "stopped" lines of a server that ran (they came before
+  // the start error and read as if it had run).
+  bool start_failed = false;
   bool started = false;  // init() finished: only then is a final checkpoint written
 
   // ---- setup ----
@@ -1152,7 +1156,7 @@ void Server::Impl::refresh_metrics() {
 Status Server::Impl::shutdown() {
   if (shut_down) return ok_status();
   shut_down = true;
-  log->info("shutting down: draining connections and shards");
+  if (!start_failed) log->info("shutting down: draining connections and shards");
   listener.reset();
   std::vector<std::shared_ptr<transport::Connection>> open;
   {
@@ -1188,7 +1192,7 @@ Status Server::Impl::shutdown() {
     if (!r) result = tl::unexpected(r.error());
   }
   metrics_http.reset();
-  log->info("stopped");
+  if (!start_failed) log->info("stopped");
   return result;
 }
 
@@ -1219,6 +1223,7 @@ Result<std::unique_ptr<Server>> Server::create(const config::Config& config) {
   EMBER_TRY(config::validate(config, "config"));
   std::unique_ptr<Server> server(new Server());
   if (Status s = server->impl_->init(config); !s) {
+    server->impl_->start_failed = true;
     (void)server->impl_->shutdown();
     return tl::unexpected(s.error());
   }

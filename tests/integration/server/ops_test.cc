@@ -245,6 +245,9 @@ TEST(ServerStart, AnAddressInUseIsNamedWithWhatToDo) {
     EXPECT_NE(log.find(cases[i].want), std::string::npos) << log;
     EXPECT_NE(log.find(cases[i].advice), std::string::npos) << log;
     EXPECT_EQ(log.find("cannot listen on " + first.address() + ": cannot listen"), std::string::npos) << log;
+    // A server that never started does not report shutting down.
+    EXPECT_EQ(log.find("shutting down"), std::string::npos) << log;
+    EXPECT_EQ(log.find("[server] stopped"), std::string::npos) << log;
   }
   // The first one is unharmed.
   auto w = Worker::create(worker_config(spec, {first.address()}, 0));
