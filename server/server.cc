@@ -3,8 +3,8 @@
 #include "server/server.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -174,11 +174,10 @@ struct Server::Impl final : ReplySink {
   std::mutex ckpt_write_mutex;  // one checkpoint at a time
 
   bool shut_down = false;
-  // init() failed: shutdown() only releases what init made, without the
-  // "shutting down" / "stopped" lines of a server that ran (they came before
-  // the start error and read as if it had run).
-  bool start_failed = false;
-  bool started = false;  // init() finished: only then is a final checkpoint written
+  // init() finished: only then is a final checkpoint written, and only then
+  // does shutdown() log "shutting down" / "stopped" (after a failed start
+  // they came before its error and read as if the server had run).
+  bool started = false;
 
   // ---- setup ----
 
@@ -334,20 +333,19 @@ Status Server::Impl::check_checkpoint_layout(const CheckpointData& d, const std:
     for (const std::uint64_t dim : e.shape) elements *= dim;
     const std::uint64_t element_bytes = proto::dtype_bytes(e.dtype);
     if (element_bytes == 0) continue;  // the checkpoint reader refuses such entries
-    const std::uint64_t chunks =
-        placement::num_chunks(elements * element_bytes, element_bytes, sc.partition_bytes);
-    std::uint64_t step = sc.partition_bytes - sc.partition_bytes % element_bytes;
-    if (step == 0) step = element_bytes;
-    if (e.num_chunks != chunks || e.offset_elements * element_bytes != e.chunk_index * step) {
+    const std::uint64_t bytes = elements * element_bytes;
+    const auto plan =
+        placement::chunk_plan(e.key, bytes, element_bytes, sc.partition_bytes, num_servers, 1);
+    if (e.num_chunks != plan.size() || e.chunk_index >= plan.size() ||
+        e.offset_elements * element_bytes != plan[e.chunk_index].offset_bytes) {
       return make_error(ErrorCode::kConfig,
                         "checkpoint '{}' was written with another [server] partition_bytes: it "
                         "cuts key {} ({} bytes) into {} chunk(s), and partition_bytes = {} cuts it "
                         "into {}; use the partition_bytes the job started with, or another "
                         "checkpoint_dir to start fresh",
-                        path, e.key, elements * element_bytes, e.num_chunks, sc.partition_bytes,
-                        chunks);
+                        path, e.key, bytes, e.num_chunks, sc.partition_bytes, plan.size());
     }
-    const std::uint32_t owner = placement::server_of(e.key, e.chunk_index, num_servers);
+    const std::uint32_t owner = plan[e.chunk_index].server;
     if (owner != sc.server_index) {
       return make_error(ErrorCode::kConfig,
                         "checkpoint '{}' holds chunk {} of key {}, which with {} server(s) in "
@@ -1156,7 +1154,7 @@ void Server::Impl::refresh_metrics() {
 Status Server::Impl::shutdown() {
   if (shut_down) return ok_status();
   shut_down = true;
-  if (!start_failed) log->info("shutting down: draining connections and shards");
+  if (started) log->info("shutting down: draining connections and shards");
   listener.reset();
   std::vector<std::shared_ptr<transport::Connection>> open;
   {
@@ -1192,7 +1190,7 @@ Status Server::Impl::shutdown() {
     if (!r) result = tl::unexpected(r.error());
   }
   metrics_http.reset();
-  if (!start_failed) log->info("stopped");
+  if (started) log->info("stopped");
   return result;
 }
 
@@ -1223,7 +1221,6 @@ Result<std::unique_ptr<Server>> Server::create(const config::Config& config) {
   EMBER_TRY(config::validate(config, "config"));
   std::unique_ptr<Server> server(new Server());
   if (Status s = server->impl_->init(config); !s) {
-    server->impl_->start_failed = true;
     (void)server->impl_->shutdown();
     return tl::unexpected(s.error());
   }
