@@ -121,12 +121,9 @@ Status Trainer::start() {
   const auto epochs_done = static_cast<std::uint32_t>(resume / n);
   const std::size_t in_epoch = static_cast<std::size_t>(resume % n);
   step_ = resume;
-  if (in_epoch != 0) {
+  if (in_epoch != 0 || epochs_done < options_.epochs) {
     epoch_ = epochs_done;
     first_step_ = in_epoch;
-  } else if (epochs_done < options_.epochs) {
-    epoch_ = epochs_done;
-    first_step_ = 0;
   } else {
     // Every step is done; what may be left is the last epoch's end.
     epoch_ = epochs_done - 1;
