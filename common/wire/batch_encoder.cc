@@ -199,7 +199,7 @@ void BatchEncoder::abandon() noexcept {
 
 Result<SingleFrame> encode_single(std::span<std::byte, kSinglePrefixBytes> prefix_out,
                                   std::span<const std::span<const std::byte>> payload_pieces,
-                                  std::uint32_t item_flags) {
+                                  std::uint32_t item_flags, Checksum checksum) {
   constexpr std::size_t kMaxPayload = kMaxFrameBytes - kSinglePrefixBytes;
   std::size_t payload_bytes = 0;
   for (const auto& piece : payload_pieces) {
@@ -218,6 +218,7 @@ Result<SingleFrame> encode_single(std::span<std::byte, kSinglePrefixBytes> prefi
   header.magic = kMagic;
   header.version = kVersion;
   header.kind = static_cast<std::uint8_t>(FrameKind::kSingle);
+  header.flags = checksum == Checksum::kPrefix ? kFrameFlagPrefixChecksum : 0;
   header.item_count = 1;
   header.frame_bytes = static_cast<std::uint32_t>(kSinglePrefixBytes + body);
   store_header(p, header);
@@ -228,9 +229,11 @@ Result<SingleFrame> encode_single(std::span<std::byte, kSinglePrefixBytes> prefi
 
   std::uint32_t crc = crc32c(std::span<const std::byte>(p + kCrcCoverageBegin,
                                                         kSinglePrefixBytes - kCrcCoverageBegin));
-  for (const auto& piece : payload_pieces) crc = crc32c_extend(crc, piece);
   const std::span<const std::byte> padding(kZeroPadding.data(), body - payload_bytes);
-  crc = crc32c_extend(crc, padding);
+  if (checksum == Checksum::kFrame) {
+    for (const auto& piece : payload_pieces) crc = crc32c_extend(crc, piece);
+    crc = crc32c_extend(crc, padding);
+  }
   header.crc32c = crc;
   store_header(p, header);
   return SingleFrame{std::span<const std::byte>(p, kSinglePrefixBytes), padding,
@@ -238,10 +241,11 @@ Result<SingleFrame> encode_single(std::span<std::byte, kSinglePrefixBytes> prefi
 }
 
 Result<SingleFrame> encode_single(std::span<std::byte, kSinglePrefixBytes> prefix_out,
-                                  std::span<const std::byte> payload, std::uint32_t item_flags) {
+                                  std::span<const std::byte> payload, std::uint32_t item_flags,
+                                  Checksum checksum) {
   const std::span<const std::byte> pieces[1] = {payload};
   return encode_single(prefix_out, std::span<const std::span<const std::byte>>(pieces),
-                       item_flags);
+                       item_flags, checksum);
 }
 
 }  // namespace ember::wire

@@ -152,17 +152,27 @@ struct SingleFrame {
   std::size_t frame_bytes = 0;         // prefix + payload + padding
 };
 
+// What a single frame's CRC32C covers.
+enum class Checksum : std::uint8_t {
+  kFrame,   // the whole frame, payload included (frame flags 0)
+  kPrefix,  // header and table only (kFrameFlagPrefixChecksum): the payload's
+            // bytes are not read, saving one pass over them on each end
+};
+
 // Writes the header and one-entry table of a kSingle frame whose payload is
 // the concatenation of `payload_pieces` (e.g. a message header and a tensor
-// in a pool block) into `prefix_out`. Reads every payload byte once for the
-// CRC32C; copies none. The pieces must not change until the frame is sent.
+// in a pool block) into `prefix_out`. With Checksum::kFrame reads every
+// payload byte once for the CRC32C; with kPrefix reads none. Copies none. The
+// pieces must not change until the frame is sent.
 // Errors: kTooLarge when the payload exceeds kMaxFrameBytes - kSinglePrefixBytes
 // - 7 bytes (the receiver's DecoderOptions::max_frame_bytes is usually lower:
 // chunk large tensors). Any thread; no allocation.
 Result<SingleFrame> encode_single(std::span<std::byte, kSinglePrefixBytes> prefix_out,
                                   std::span<const std::span<const std::byte>> payload_pieces,
-                                  std::uint32_t item_flags = 0);
+                                  std::uint32_t item_flags = 0,
+                                  Checksum checksum = Checksum::kFrame);
 Result<SingleFrame> encode_single(std::span<std::byte, kSinglePrefixBytes> prefix_out,
-                                  std::span<const std::byte> payload, std::uint32_t item_flags = 0);
+                                  std::span<const std::byte> payload, std::uint32_t item_flags = 0,
+                                  Checksum checksum = Checksum::kFrame);
 
 }  // namespace ember::wire

@@ -68,9 +68,18 @@ Status check_header_fields(const FrameHeaderWire& h, std::uint64_t at,
     return frame_error(ErrorCode::kMalformedFrame, at, 9,
                        "unknown frame kind {}, expected 1 (batch) or 2 (single)", h.kind);
   }
-  if (h.flags != 0) {
+  if ((h.flags & ~kKnownFrameFlags) != 0) {
     return frame_error(ErrorCode::kMalformedFrame, at, 10,
-                       "unknown frame flags 0x{:04x}; wire version 1 defines none", h.flags);
+                       "unknown frame flags 0x{:04x}; this build knows 0x{:04x} (prefix-only "
+                       "checksum): run the same Ember release on both ends",
+                       h.flags, kKnownFrameFlags);
+  }
+  if ((h.flags & kFrameFlagPrefixChecksum) != 0 &&
+      h.kind != static_cast<std::uint8_t>(FrameKind::kSingle)) {
+    return frame_error(ErrorCode::kMalformedFrame, at, 10,
+                       "frame flag 0x{:04x} (prefix-only checksum) on a frame of kind {}: only "
+                       "single frames (kind 2) may leave their payload out of the checksum",
+                       kFrameFlagPrefixChecksum, h.kind);
   }
   if (h.reserved != 0) {
     return frame_error(ErrorCode::kMalformedFrame, at, 20,
@@ -106,6 +115,7 @@ Status check_header_fields(const FrameHeaderWire& h, std::uint64_t at,
                        h.item_count);
   }
   info->kind = static_cast<FrameKind>(h.kind);
+  info->flags = h.flags;
   info->item_count = h.item_count;
   info->frame_bytes = h.frame_bytes;
   info->prefix_bytes = static_cast<std::uint32_t>(prefix_bytes(h.item_count));
@@ -156,8 +166,9 @@ tl::unexpected<Error> crc_error(const FrameInfo& info, std::uint32_t in_header,
                                 std::uint32_t computed) {
   return frame_error(ErrorCode::kChecksumMismatch, info.stream_offset, 4,
                      "checksum mismatch: the header says crc32c 0x{:08x} but frame bytes [8, {}) "
-                     "({} items) hash to 0x{:08x}: corrupted in transit or by the sender",
-                     in_header, info.frame_bytes, info.item_count, computed);
+                     "({} items{}) hash to 0x{:08x}: corrupted in transit or by the sender",
+                     in_header, info.crc_end(), info.item_count,
+                     info.crc_covers_body() ? "" : ", header and table only", computed);
 }
 
 }  // namespace
@@ -187,7 +198,7 @@ Result<Frame> decode_frame(std::span<const std::byte> bytes, const DecoderOption
   }
   EMBER_TRY(check_table(bytes.data(), frame.info_));
   const std::uint32_t computed = crc32c(bytes.subspan(kCrcCoverageBegin,
-                                                      frame.info_.frame_bytes - kCrcCoverageBegin));
+                                                      frame.info_.crc_end() - kCrcCoverageBegin));
   if (computed != h.crc32c) return crc_error(frame.info_, h.crc32c, computed);
   frame.prefix_ = bytes.data();
   frame.body_ = bytes.data() + frame.info_.prefix_bytes;
@@ -321,7 +332,7 @@ Status FrameDecoder::enter_body() {
       ext_filled_ = k;
       ext_crc_ = crc32c(std::span<const std::byte>(buf_.get() + begin_ + kCrcCoverageBegin,
                                                    prefix - kCrcCoverageBegin));
-      ext_crc_ = crc32c_extend(ext_crc_, ext_body_.first(k));
+      if (info_.crc_covers_body()) ext_crc_ = crc32c_extend(ext_crc_, ext_body_.first(k));
       if (k == body) {
         frame_buffer_bytes_ = info_.frame_bytes;  // the next frame starts after the stale body
       } else {
@@ -369,7 +380,7 @@ Status FrameDecoder::advance() {
       case State::kBody: {
         if (end_ - begin_ < info_.frame_bytes) return ok_status();
         return check_crc(crc32c(std::span<const std::byte>(
-            buf_.get() + begin_ + kCrcCoverageBegin, info_.frame_bytes - kCrcCoverageBegin)));
+            buf_.get() + begin_ + kCrcCoverageBegin, info_.crc_end() - kCrcCoverageBegin)));
       }
       case State::kExternalBody: {
         if (ext_filled_ < info_.body_bytes()) return ok_status();
@@ -389,7 +400,7 @@ Status FrameDecoder::feed(std::span<const std::byte> bytes) {
       n = std::min(bytes.size(), info_.body_bytes() - ext_filled_);
       // Copy (named): feed() is the copying API.
       std::memcpy(ext_body_.data() + ext_filled_, bytes.data(), n);
-      ext_crc_ = crc32c_extend(ext_crc_, bytes.first(n));
+      if (info_.crc_covers_body()) ext_crc_ = crc32c_extend(ext_crc_, bytes.first(n));
       ext_filled_ += n;
     } else {
       // Take just what completes the current step, so a large frame's body
@@ -434,7 +445,7 @@ Status FrameDecoder::commit(std::size_t n) {
                   n, last_prepare_bytes_);
   prepare_pending_ = false;
   if (last_prepare_external_) {
-    ext_crc_ = crc32c_extend(ext_crc_, ext_body_.subspan(ext_filled_, n));
+    if (info_.crc_covers_body()) ext_crc_ = crc32c_extend(ext_crc_, ext_body_.subspan(ext_filled_, n));
     ext_filled_ += n;
   } else {
     end_ += n;

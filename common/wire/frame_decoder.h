@@ -83,7 +83,14 @@ struct FrameInfo {
   std::uint32_t frame_bytes = 0;   // whole frame
   std::uint32_t prefix_bytes = 0;  // header + table + padding; the body is the rest
   std::uint64_t stream_offset = 0; // stream byte of the frame's first byte (0 for decode_frame)
+  std::uint16_t flags = 0;         // frame flags (0 or kFrameFlagPrefixChecksum)
   std::uint32_t body_bytes() const noexcept { return frame_bytes - prefix_bytes; }
+  // End of the CRC's coverage: frame_bytes, or prefix_bytes when the body is
+  // not covered (kFrameFlagPrefixChecksum).
+  std::uint32_t crc_end() const noexcept {
+    return static_cast<std::uint32_t>(wire::crc_end(flags, item_count, frame_bytes));
+  }
+  bool crc_covers_body() const noexcept { return (flags & kFrameFlagPrefixChecksum) == 0; }
 };
 
 // One item of a verified frame.
@@ -262,6 +269,7 @@ class FrameDecoder {
   std::span<std::byte> ext_body_;        // external body of the current frame
   std::size_t ext_filled_ = 0;
   std::uint32_t ext_crc_ = 0;            // CRC32C of frame bytes [8, prefix + ext_filled_)
+                                         // (of [8, prefix) when the body is not covered)
   bool prepare_pending_ = false;
   bool last_prepare_external_ = false;
   std::size_t last_prepare_bytes_ = 0;

@@ -12,8 +12,10 @@
 // All integers are little-endian; offsets are bytes from the frame's first
 // byte. The CRC32C (Castagnoli, the iSCSI polynomial 0x1EDC6F41, reflected,
 // init and final xor 0xFFFFFFFF) covers frame bytes [8, frame_bytes): everything
-// after the crc32c field, so it is one contiguous pass. The magic is not
-// covered; it is compared exactly. docs/wire-format.md describes the same
+// after the crc32c field, so it is one contiguous pass. A single frame with
+// kFrameFlagPrefixChecksum set covers only [8, prefix_bytes): its header and
+// table, not its payload (see crc_end()). The magic is not covered; it is
+// compared exactly. docs/wire-format.md describes the same
 // layout byte by byte; the static_asserts below pin it.
 //
 // The layout is canonical: given the item lengths there is exactly one valid
@@ -52,7 +54,7 @@ struct FrameHeaderWire {
   std::uint32_t crc32c;       // CRC32C of frame bytes [8, frame_bytes)
   std::uint8_t version;       // kVersion
   std::uint8_t kind;          // FrameKind
-  std::uint16_t flags;        // frame flags; none defined in version 1: must be 0
+  std::uint16_t flags;        // frame flags: 0, or kFrameFlagPrefixChecksum on a kSingle frame
   std::uint32_t item_count;   // number of table entries, >= 1
   std::uint32_t frame_bytes;  // whole frame including this header; multiple of 8
   std::uint32_t reserved;     // must be 0 in version 1
@@ -87,9 +89,28 @@ inline constexpr std::size_t kMaxFrameBytes = 0xFFFFFFF8u;
 
 inline constexpr std::size_t align_up8(std::size_t n) { return (n + 7) & ~std::size_t{7}; }
 
+// Frame flag bit 0, allowed on kSingle frames only: the CRC32C covers the
+// header and table, [8, kSinglePrefixBytes), and not the payload or its
+// padding. The payload's integrity is then left to the transport (TCP's own
+// checksum, RDMA's ICRC); a flipped flag bit still fails the prefix CRC, since
+// `flags` lies inside it. Set by encode_single(..., Checksum::kPrefix) (config
+// [communication] payload_checksum = false). Receivers built before this flag
+// existed reject it ("unknown frame flags 0x0001").
+inline constexpr std::uint16_t kFrameFlagPrefixChecksum = 0x0001;
+// Every frame flag a receiver of this build accepts.
+inline constexpr std::uint16_t kKnownFrameFlags = kFrameFlagPrefixChecksum;
+
 // Header + table + padding for n items: where the first payload starts.
 inline constexpr std::size_t prefix_bytes(std::size_t item_count) {
   return align_up8(kHeaderBytes + kItemEntryBytes * item_count);
+}
+
+// End of the CRC32C's coverage, [kCrcCoverageBegin, crc_end): the whole frame,
+// or only its header and table under kFrameFlagPrefixChecksum. `flags`,
+// `item_count` and `frame_bytes` as in the (checked) header.
+inline constexpr std::size_t crc_end(std::uint16_t flags, std::size_t item_count,
+                                     std::size_t frame_bytes) {
+  return (flags & kFrameFlagPrefixChecksum) != 0 ? prefix_bytes(item_count) : frame_bytes;
 }
 
 // Smallest valid frame: one zero-length item.

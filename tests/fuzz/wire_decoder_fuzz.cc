@@ -16,6 +16,7 @@
 //   * every external body is handed out or released exactly once.
 // The corpus (tests/fuzz/corpus/wire) is written by wire_make_corpus
 // (tests/unit/wire/make_wire_corpus.cc).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -172,8 +173,16 @@ void repair_crcs(std::vector<std::byte>& s) {
     std::uint32_t frame_bytes = 0;
     std::memcpy(&frame_bytes, s.data() + at + 16, 4);
     if (frame_bytes < ember::wire::kMinFrameBytes || frame_bytes > s.size() - at) return;
+    std::uint16_t flags = 0;
+    std::uint32_t item_count = 0;
+    std::memcpy(&flags, s.data() + at + 10, 2);
+    std::memcpy(&item_count, s.data() + at + 12, 4);
+    // Under the prefix-only flag the CRC ends after the table (clamped, so a
+    // mutated item_count still repairs something inside the frame).
+    const std::size_t end =
+        std::min<std::size_t>(frame_bytes, ember::wire::crc_end(flags, std::min<std::uint32_t>(item_count, frame_bytes), frame_bytes));
     const std::uint32_t crc = ember::wire::crc32c(
-        std::span<const std::byte>(s).subspan(at + 8, frame_bytes - 8));
+        std::span<const std::byte>(s).subspan(at + 8, end - 8));
     std::memcpy(s.data() + at + 4, &crc, 4);
     at += frame_bytes;
   }

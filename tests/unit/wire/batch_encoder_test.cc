@@ -230,6 +230,27 @@ TEST(EncodeSingle, GathersPiecesWithoutCopyingAndMatchesReference) {
   EXPECT_EQ(wire, testing::reference_frame({RefItem{payload, 0xABCD}}, FrameKind::kSingle));
 }
 
+TEST(EncodeSingle, PrefixChecksumLeavesThePayloadOutAndMatchesReference) {
+  std::mt19937_64 rng(testing::test_seed("EncodeSingle.PrefixChecksum"));
+  const Bytes payload = testing::random_bytes(rng, 70001);
+  std::array<std::byte, kSinglePrefixBytes> prefix;
+  auto single = encode_single(prefix, payload, 0x51, Checksum::kPrefix);
+  ASSERT_TRUE(single);
+  Bytes wire = to_bytes(single->prefix);
+  wire.insert(wire.end(), payload.begin(), payload.end());
+  wire.insert(wire.end(), single->padding.begin(), single->padding.end());
+  EXPECT_EQ(wire, testing::reference_prefix_checksum_single(RefItem{payload, 0x51}));
+  // The payload is not hashed: another payload of the same length gets the
+  // same prefix, byte for byte.
+  const Bytes other = testing::random_bytes(rng, payload.size());
+  std::array<std::byte, kSinglePrefixBytes> prefix2;
+  ASSERT_TRUE(encode_single(prefix2, other, 0x51, Checksum::kPrefix));
+  EXPECT_EQ(prefix, prefix2);
+  // The default still covers the payload.
+  ASSERT_TRUE(encode_single(prefix2, other, 0x51));
+  EXPECT_NE(prefix, prefix2);
+}
+
 TEST(EncodeSingle, RejectsPayloadBeyondTheFormat) {
   // Two 2 GiB pieces (one reserved, never touched mapping) sum past the
   // 32-bit frame size; the size check comes before any byte is read.

@@ -137,6 +137,14 @@ TEST(FrameDecoderMalformed, UnknownKindFlagsOrReserved) {
                "reserved field is 0x00000001", 20);
 }
 
+TEST(FrameDecoderMalformed, PrefixChecksumFlagOnABatchFrame) {
+  Bytes batch = good_frame();
+  testing::put_u16(batch, 10, kFrameFlagPrefixChecksum);
+  testing::refresh_crc(batch);
+  expect_error(error_after_good_frame(batch), ErrorCode::kMalformedFrame,
+               "only single frames (kind 2) may leave their payload out of the checksum", 10);
+}
+
 TEST(FrameDecoderMalformed, ZeroItems) {
   Bytes bad = good_frame();
   testing::put_u32(bad, 12, 0);
@@ -554,6 +562,63 @@ TEST(FrameDecoderExternalBody, ChecksumFailureReleasesTheBlock) {
   EXPECT_EQ(s.error().code(), ErrorCode::kChecksumMismatch);
   ASSERT_EQ(alloc.released.size(), 1u);
   EXPECT_EQ(alloc.released[0], alloc.live[0]);
+}
+
+// kFrameFlagPrefixChecksum: the payload is not hashed on any receive path
+// (decode_frame, the receive buffer, an external body filled by feed() or by
+// prepare()/commit()), while the header and table still are, the flag itself
+// included.
+TEST(FrameDecoderPrefixChecksum, PayloadIsLeftToTheTransportHeaderIsChecked) {
+  std::mt19937_64 rng(testing::test_seed("FrameDecoderPrefixChecksum.Payload"));
+  const RefItem item{testing::random_bytes(rng, 5000), 3};
+  Bytes flipped = testing::reference_prefix_checksum_single(item);
+  flipped[40 + 1234] ^= std::byte{0x20};  // a payload byte: not covered
+  RefItem seen = item;
+  seen.payload[1234] ^= std::byte{0x20};
+  const std::vector<RefItem> expected{seen};
+
+  auto one_shot = decode_frame(testing::as_span(flipped));
+  ASSERT_TRUE(one_shot) << one_shot.error().to_string();
+  EXPECT_EQ(one_shot->info().flags, kFrameFlagPrefixChecksum);
+  EXPECT_EQ(one_shot->info().crc_end(), 40u);
+  for (std::size_t min_external : {std::size_t{1} << 20, std::size_t{1024}}) {
+    RecordingAllocator alloc;
+    FrameDecoder bytewise = make_decoder({.external_body_min_bytes = min_external, .body_allocator = &alloc});
+    std::vector<Received> got;
+    ASSERT_EQ(feed_bytewise(bytewise, flipped, &got).code(), ErrorCode::kOk);
+    EXPECT_EQ(got, as_received(expected));
+    EXPECT_EQ(alloc.live.size(), min_external == 1024 ? 1u : 0u);
+  }
+  {
+    RecordingAllocator alloc;
+    FrameDecoder dec = make_decoder({.receive_buffer_bytes = 1024,
+                                     .external_body_min_bytes = 1024,
+                                     .body_allocator = &alloc});
+    std::vector<Received> got;
+    for (std::size_t at = 0; at < flipped.size();) {
+      auto span = dec.prepare();
+      const std::size_t n = std::min({span.size(), flipped.size() - at, std::size_t{700}});
+      std::memcpy(span.data(), flipped.data() + at, n);
+      at += n;
+      ASSERT_TRUE(dec.commit(n));
+    }
+    drain(dec, got);
+    EXPECT_EQ(got, as_received(expected));
+    EXPECT_EQ(alloc.live.size(), 1u);
+  }
+
+  // A table byte (the item's flags) and the frame flag itself are covered.
+  Bytes table_flip = testing::reference_prefix_checksum_single(item);
+  table_flip[32] ^= std::byte{0x01};
+  FrameDecoder d1 = make_decoder();
+  const Error e1 = feed_bytewise(d1, table_flip);
+  EXPECT_EQ(e1.code(), ErrorCode::kChecksumMismatch) << e1.to_string();
+  EXPECT_THAT(e1.message(), HasSubstr("frame bytes [8, 40) (1 items, header and table only)"));
+  Bytes flag_cleared = testing::reference_prefix_checksum_single(item);
+  testing::put_u16(flag_cleared, 10, 0);
+  FrameDecoder d2 = make_decoder();
+  EXPECT_EQ(feed_bytewise(d2, flag_cleared).code(), ErrorCode::kChecksumMismatch);
+  EXPECT_FALSE(decode_frame(testing::as_span(flag_cleared)));
 }
 
 TEST(FrameDecoderExternalBody, DestroyedMidFrameReleasesTheBlock) {

@@ -35,9 +35,10 @@ Bytes batch(const std::vector<Bytes>& payloads, std::size_t threshold) {
   return stream;
 }
 
-Bytes single(const Bytes& payload) {
+Bytes single(const Bytes& payload,
+             ember::wire::Checksum checksum = ember::wire::Checksum::kFrame) {
   std::array<std::byte, ember::wire::kSinglePrefixBytes> prefix;
-  auto s = ember::wire::encode_single(prefix, payload, 5);
+  auto s = ember::wire::encode_single(prefix, payload, 5, checksum);
   Bytes out(s->prefix.begin(), s->prefix.end());
   out.insert(out.end(), payload.begin(), payload.end());
   out.insert(out.end(), s->padding.begin(), s->padding.end());
@@ -82,6 +83,7 @@ int main(int argc, char** argv) {
   Bytes truncated = batch({fill(30, rng)}, 256);
   truncated.resize(truncated.size() - 3);
   seeds.push_back({"truncated", truncated});
+  seeds.push_back({"single_prefix_checksum", single(fill(1000, rng), ember::wire::Checksum::kPrefix)});
 
   // Control bytes: 0x00 plain; 0x01 repair CRCs; 0x0B repair + external
   // bodies + other chunking; 0x05 repair + 4 KiB max frame.

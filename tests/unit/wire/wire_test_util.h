@@ -77,6 +77,15 @@ inline Bytes reference_frame(const std::vector<RefItem>& items,
   return f;
 }
 
+// A single frame (kind 2) with frame flag 0x0001: the CRC covers only bytes
+// [8, 40), its header and table (docs/wire-format.md, "Checksum").
+inline Bytes reference_prefix_checksum_single(const RefItem& item) {
+  Bytes f = reference_frame({item}, FrameKind::kSingle);
+  put_u16(f, 10, 0x0001);
+  put_u32(f, 4, reference_crc32c(std::span<const std::byte>(f).subspan(8, 32)));
+  return f;
+}
+
 inline Bytes random_bytes(std::mt19937_64& rng, std::size_t n) {
   Bytes b(n);
   for (auto& x : b) x = std::byte(static_cast<std::uint8_t>(rng()));
