@@ -9,7 +9,9 @@
 //     Step time and goodput (gradient bytes per worker per second), against
 //     Gloo's ring all-reduce over TCP of the same tensors (2 ranks, libgloo-dev)
 //     and the memcpy ceiling of the same bytes (one thread copying the
-//     gradients out and the parameters back: 2 x 102 MB).
+//     gradients out and the parameters back: 2 x 102 MB). Beside the default
+//     tcp row, "ember-tcp+crc" runs tcp with payload_checksum = true (every
+//     payload byte in the frame CRC32C, one more pass over it on each end).
 //  2. 10,000 keys of 64 bytes, pushed and pulled each step by the 2 workers:
 //     through a pipeline (the framer packs them into batches) against the
 //     same requests each flushed on its own (one frame per message).
@@ -200,8 +202,11 @@ struct Cluster {
   std::unique_ptr<ember::server::Server> server;
   std::vector<std::unique_ptr<Worker>> workers;
 
-  static std::unique_ptr<Cluster> make(const std::string& transport, std::uint32_t num_workers,
-                                       std::uint32_t server_pages, std::uint32_t worker_pages) {
+  // `extra`: overrides applied after --set (a variant of the default config).
+  static std::unique_ptr<Cluster> make(
+      const std::string& transport, std::uint32_t num_workers, std::uint32_t server_pages,
+      std::uint32_t worker_pages,
+      const std::vector<std::pair<std::string, std::string>>& extra = {}) {
     static std::atomic<int> counter{0};
     auto c = std::make_unique<Cluster>();
     c->transport = transport;
@@ -222,11 +227,14 @@ struct Cluster {
       std::fprintf(stderr, "bench: %s\n", cfg.error().to_string().c_str());
       return nullptr;
     }
-    for (const auto& [key, value] : g_overrides) {
-      if (auto s = ember::config::set_value(*cfg, key, value); !s) {
-        std::fprintf(stderr, "bench: --set %s=%s: %s\n", key.c_str(), value.c_str(),
-                     s.error().to_string().c_str());
-        return nullptr;
+    using Overrides = std::vector<std::pair<std::string, std::string>>;
+    for (const Overrides* list : {static_cast<const Overrides*>(&g_overrides), &extra}) {
+      for (const auto& [key, value] : *list) {
+        if (auto s = ember::config::set_value(*cfg, key, value); !s) {
+          std::fprintf(stderr, "bench: --set %s=%s: %s\n", key.c_str(), value.c_str(),
+                       s.error().to_string().c_str());
+          return nullptr;
+        }
       }
     }
     if (auto s = ember::config::set_listen(*cfg, listen); !s) return nullptr;
@@ -285,12 +293,13 @@ struct ResnetRun {
   std::vector<std::unique_ptr<Arena>> arenas;  // per worker
   std::vector<std::vector<std::span<float>>> grads, outs;
 
-  bool setup(const std::string& transport) {
+  bool setup(const std::string& transport,
+             const std::vector<std::pair<std::string, std::string>>& extra = {}) {
     shapes = resnet50_shapes();
     std::size_t total = 0;
     for (const auto& s : shapes) total += elements(s);
     // Per worker: gradients + parameters (~205 MB in 64 MiB buffers).
-    cluster = Cluster::make(transport, 2, 384, 300);
+    cluster = Cluster::make(transport, 2, 384, 300, extra);
     if (!cluster) return false;
     grads.resize(2);
     outs.resize(2);
@@ -603,20 +612,32 @@ int main(int argc, char** argv) {
                 "push_pull of every tensor per step\n",
                 shapes.size(), total, grad_bytes / 1e6);
     std::fflush(stdout);
-    std::map<std::string, std::unique_ptr<ResnetRun>> runs;
+    // "tcp+crc": tcp with [communication] payload_checksum = true, to show
+    // what checking every payload byte end to end costs (unless --set chose it).
+    std::vector<std::pair<std::string, std::vector<std::pair<std::string, std::string>>>> variants;
     for (const auto& t : transports) {
+      variants.push_back({t, {}});
+      const bool chosen = std::any_of(g_overrides.begin(), g_overrides.end(), [](const auto& kv) {
+        return kv.first == "communication.payload_checksum";
+      });
+      if (t == "tcp" && !chosen) {
+        variants.push_back({"tcp+crc", {{"communication.payload_checksum", "true"}}});
+      }
+    }
+    std::map<std::string, std::unique_ptr<ResnetRun>> runs;
+    for (const auto& [name, extra] : variants) {
       auto run = std::make_unique<ResnetRun>();
-      if (run->setup(t)) {
+      if (run->setup(name == "tcp+crc" ? "tcp" : name, extra)) {
         run->step();  // warm-up
-        runs[t] = std::move(run);
+        runs[name] = std::move(run);
       } else {
-        std::printf("  (%s: setup failed, skipped)\n", t.c_str());
+        std::printf("  (%s: setup failed, skipped)\n", name.c_str());
       }
     }
     for (int rep = 0; rep < reps; ++rep) {
-      for (const auto& t : transports) {
-        if (!runs.count(t)) continue;
-        for (int s = 0; s < steps; ++s) step_s["ember-" + t].push_back(runs[t]->step());
+      for (const auto& [name, extra] : variants) {
+        if (!runs.count(name)) continue;
+        for (int s = 0; s < steps; ++s) step_s["ember-" + name].push_back(runs[name]->step());
       }
 #ifdef EMBER_HAVE_GLOO
       for (double x : gloo_resnet(shapes, steps)) step_s["gloo-ring-tcp"].push_back(x);
@@ -626,7 +647,7 @@ int main(int argc, char** argv) {
   }
   const double gloo_ms = median(step_s["gloo-ring-tcp"]) * 1e3;
   if (wanted("resnet")) std::printf("%-16s %14s %14s %10s\n", "system", "step ms (p50)", "goodput GB/s", "vs gloo");
-  for (const char* name : {"ember-tcp", "ember-shm", "gloo-ring-tcp", "memcpy ceiling"}) {
+  for (const char* name : {"ember-tcp", "ember-tcp+crc", "ember-shm", "gloo-ring-tcp", "memcpy ceiling"}) {
     if (!step_s.count(name)) continue;
     const double ms = median(step_s[name]) * 1e3;
     std::printf("%-16s %14.1f %14.2f %10s\n", name, ms, grad_bytes / (ms / 1e3) / 1e9,
@@ -738,18 +759,21 @@ int main(int argc, char** argv) {
   // ---- summary ----
   auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
   const double tcp_ms = median(step_s["ember-tcp"]) * 1e3;
+  const double tcp_crc_ms = median(step_s["ember-tcp+crc"]) * 1e3;
   const double shm_ms = median(step_s["ember-shm"]) * 1e3;
   const std::size_t big = sizes.back();
   std::printf("\ntargets: shm step <= 0.5 x gloo, tcp step <= 1 x gloo; goodput flat 16 MiB -> %s; "
               "0 faults/op; 4 KiB push p50 <= 50 us tcp, <= 15 us shm; >= 100000 pipelined 4 KiB ops/s\n",
               size_name(big).c_str());
   std::printf(
-      "SUMMARY shm_step_vs_gloo=%.2f tcp_step_vs_gloo=%.2f tcp_step_vs_memcpy=%.2f "
+      "SUMMARY shm_step_vs_gloo=%.2f tcp_step_vs_gloo=%.2f tcp_crc_step_vs_gloo=%.2f "
+      "tcp_step_vs_memcpy=%.2f "
       "tcp_goodput_%s_vs_16m=%.2f shm_goodput_%s_vs_16m=%.2f ref_goodput_%s_vs_16m=%.2f "
       "faults_per_op_%s=%.2f "
       "tcp_push_4k_p50_us=%.1f shm_push_4k_p50_us=%.1f tcp_pipelined_4k_ops_per_s=%.0f "
       "shm_pipelined_4k_ops_per_s=%.0f tiny_tcp_batched_vs_unbatched=%.2f tiny_shm_batched_vs_unbatched=%.2f\n",
-      ratio(shm_ms, gloo_ms), ratio(tcp_ms, gloo_ms), ratio(tcp_ms, median(step_s["memcpy ceiling"]) * 1e3),
+      ratio(shm_ms, gloo_ms), ratio(tcp_ms, gloo_ms), ratio(tcp_crc_ms, gloo_ms),
+      ratio(tcp_ms, median(step_s["memcpy ceiling"]) * 1e3),
       size_name(big) == "256 MiB" ? "256m" : "64m", ratio(serial_gbs["tcp"][big], serial_gbs["tcp"][16u << 20]),
       size_name(big) == "256 MiB" ? "256m" : "64m", ratio(serial_gbs["shm"][big], serial_gbs["shm"][16u << 20]),
       size_name(big) == "256 MiB" ? "256m" : "64m", ratio(reference_gbs[big], reference_gbs[16u << 20]),

@@ -152,6 +152,11 @@ struct CommunicationConfig {
   std::uint32_t num_channels = 0;
   // zero_copy: "writev" | "sendfile".
   ZeroCopy zero_copy = ZeroCopy::kWritev;
+  // payload_checksum: true = a tcp frame's CRC32C covers its large payload
+  // too; false = only its header and table (wire flag 0x0001), the payload
+  // being left to TCP's own checksum. Small (batched) messages are always
+  // covered. docs/wire-format.md#checksum.
+  bool payload_checksum = false;
   // inline_write: bytes a sending thread writes to a tcp socket itself
   // before the I/O thread takes over; 0 = the I/O thread writes everything
   // (for I/O threads pinned to cores of their own). 0 .. 1 GiB.

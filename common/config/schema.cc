@@ -500,6 +500,9 @@ std::vector<Field> build_fields() {
   f.push_back(enum_field("communication", "zero_copy", "\"writev\" | \"sendfile\"",
                          comm(&CommunicationConfig::zero_copy),
                          std::vector{ZeroCopy::kWritev, ZeroCopy::kSendfile}));
+  f.push_back(bool_field("communication", "payload_checksum",
+                         "tcp: CRC32C over large payloads too (false: header and table only)",
+                         comm(&CommunicationConfig::payload_checksum)));
   f.push_back(cpu_list_field("communication", "cpu_affinity",
                              "CPU ids for the I/O threads; [] = not pinned",
                              comm(&CommunicationConfig::cpu_affinity)));

@@ -32,6 +32,7 @@ Result<Options> options_from_config(const config::CommunicationConfig& comm,
   o.num_channels = config::resolved_num_channels(comm);
   o.zero_copy = comm.zero_copy == config::ZeroCopy::kSendfile ? ZeroCopy::kSendfile : ZeroCopy::kWritev;
   o.inline_write_bytes = comm.inline_write_bytes;
+  o.payload_checksum = comm.payload_checksum;
   o.cpu_affinity.assign(comm.cpu_affinity.begin(), comm.cpu_affinity.end());
   o.num_io_threads = comm.num_io_threads;
   o.heartbeat_interval = comm.heartbeat_interval;

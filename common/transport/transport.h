@@ -121,6 +121,12 @@ struct Options {
   // same count.
   std::uint32_t num_channels = 1;
   ZeroCopy zero_copy = ZeroCopy::kWritev;
+  // tcp: whether a large message's frame (wire::encode_single) has its
+  // payload in the CRC32C (true) or only its header and table (false,
+  // wire::kFrameFlagPrefixChecksum; TCP's own checksum guards the payload).
+  // Receivers accept both. Batch frames are always covered whole. shm and
+  // rdma ignore it.
+  bool payload_checksum = false;
   // tcp: a thread calling send() on an idle channel writes to the socket
   // itself (no I/O-thread wake-up) up to this many bytes, then hands the rest
   // to the I/O thread. 0: send() only queues and the I/O thread writes

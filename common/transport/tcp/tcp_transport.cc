@@ -519,7 +519,9 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done) {
   close_batch_locked();  // keeps order: earlier small messages go first
   TxEntry& e = queue_.emplace_back();
   std::span<const std::byte> body(payload.data(), payload.size());
-  auto single = wire::encode_single(e.prefix, body, 0);
+  auto single = wire::encode_single(
+      e.prefix, body, 0,
+      options_.payload_checksum ? wire::Checksum::kFrame : wire::Checksum::kPrefix);
   if (!single) {
     queue_.pop_back();
     lock.unlock();

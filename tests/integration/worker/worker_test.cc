@@ -335,11 +335,18 @@ TEST(WorkerClient, ZeroFlushIntervalWorksOnEveryTransport) {
 // are recycled as soon as their send completes, and sendfile() completes
 // before the kernel has read the pages. They used to reach the worker with
 // the next reply's bytes ("checksum mismatch"); owned Buffers now go by
-// writev. Many large replies in flight at once recycle blocks quickly.
-TEST(WorkerClient, SendfileRepliesArriveIntactWhileTheirBlocksAreRecycled) {
+// writev. Many large replies in flight at once recycle blocks quickly. With
+// payload_checksum = true a late change is a checksum mismatch; with false
+// (the default) only the values below can show it, so both are run.
+class SendfileReplies : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(PayloadChecksum, SendfileReplies, ::testing::Bool(),
+                         [](const auto& p) { return p.param ? "On" : "Off"; });
+
+TEST_P(SendfileReplies, ArriveIntactWhileTheirBlocksAreRecycled) {
   config::Config c = base_config(1);
   c.communication.zero_copy = config::ZeroCopy::kSendfile;
   c.communication.prealloc_pages = 64;
+  c.communication.payload_checksum = GetParam();
   LocalServer s(c);
   ASSERT_TRUE(s.server);
   auto w = s.worker(0);

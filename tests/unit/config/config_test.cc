@@ -68,6 +68,7 @@ TEST(ConfigDefaults, EmptyTextGivesDefaults) {
   EXPECT_EQ(c.communication.num_channels, 0u);
   EXPECT_EQ(c.communication.zero_copy, ZeroCopy::kWritev);
   EXPECT_EQ(c.communication.inline_write_bytes, 8u << 20);
+  EXPECT_FALSE(c.communication.payload_checksum);
   EXPECT_TRUE(c.communication.cpu_affinity.empty());
   EXPECT_EQ(c.communication.num_io_threads, 1u);
   EXPECT_EQ(c.communication.heartbeat_interval, 1s);
@@ -115,6 +116,7 @@ pool_backing = "thp"
 channels = 4
 inline_write = "64KB"
 zero_copy = "sendfile"
+payload_checksum = true
 cpu_affinity = [{0}]
 io_threads = 2
 heartbeat_interval = "500ms"
@@ -179,6 +181,7 @@ Config all_knobs_config(std::uint32_t cpu) {
   m.num_channels = 4;
   m.inline_write_bytes = 64 * 1024;
   m.zero_copy = ZeroCopy::kSendfile;
+  m.payload_checksum = true;
   m.cpu_affinity = {cpu};
   m.num_io_threads = 2;
   m.heartbeat_interval = 500ms;
@@ -430,6 +433,9 @@ TEST(ConfigErrors, BadEnumListsValidValues) {
               HasSubstr("1073741825 B is above the maximum 1 GiB"));
   EXPECT_THAT(parse_error("[communication]\nzero_copy = \"splice\"\n"),
               HasSubstr("use one of \"writev\", \"sendfile\""));
+  EXPECT_THAT(parse_error("[communication]\npayload_checksum = \"yes\"\n"),
+              AllOf(HasSubstr("communication.payload_checksum"),
+                    HasSubstr("write payload_checksum = true or payload_checksum = false")));
   EXPECT_THAT(parse_error("[server]\nconsistency = \"sync\"\n"),
               HasSubstr("use one of \"bsp\", \"asp\", \"ssp\""));
   EXPECT_THAT(parse_error("[server]\non_worker_loss = \"retry\"\n"),

@@ -260,6 +260,7 @@ TEST(OptionsFromConfig, MapsEveryCommunicationKey) {
   c.ring_buffer_slots = 256;
   c.num_channels = 3;
   c.zero_copy = config::ZeroCopy::kSendfile;
+  c.payload_checksum = true;
   c.num_io_threads = 2;
   c.heartbeat_interval = 2s;
   c.heartbeat_timeout = 7s;
@@ -275,6 +276,7 @@ TEST(OptionsFromConfig, MapsEveryCommunicationKey) {
   EXPECT_EQ(o->ring_slots, 256u);
   EXPECT_EQ(o->num_channels, 3u);
   EXPECT_EQ(o->zero_copy, ZeroCopy::kSendfile);
+  EXPECT_TRUE(o->payload_checksum);
   EXPECT_EQ(o->num_io_threads, 2u);
   EXPECT_EQ(o->heartbeat_interval, 2s);
   EXPECT_EQ(o->heartbeat_timeout, 7s);

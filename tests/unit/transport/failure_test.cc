@@ -4,11 +4,13 @@
 // (raw_peer.h) where the failure needs byte-level control.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "common/transport/control.h"
 #include "common/transport/transport.h"
 #include "common/wire/batch_encoder.h"
+#include "common/wire/frame_decoder.h"
 #include "tests/unit/transport/raw_peer.h"
 #include "tests/unit/transport/transport_test_util.h"
 
@@ -267,6 +269,51 @@ std::vector<std::byte> valid_stream(std::size_t count, std::size_t large) {
   out.insert(out.end(), payload.begin(), payload.end());
   out.insert(out.end(), single->padding.begin(), single->padding.end());
   return out;
+}
+
+// Options::payload_checksum: a large message's frame leaves its payload out
+// of the CRC (frame flag 0x0001) by default and covers it when true; the raw
+// peer reads the frames as they cross the socket and checks both forms.
+TEST(TcpWire, LargeFramesCoverTheirPayloadOnlyWithPayloadChecksum) {
+  for (const bool payload_checksum : {false, true}) {
+    SCOPED_TRACE(payload_checksum ? "payload_checksum = true" : "payload_checksum = false");
+    Options o = tcp_options();
+    o.payload_checksum = payload_checksum;
+    Server server(o);
+    RawTcpPeer peer;
+    ASSERT_TRUE(peer.connect(server.listener->address()));
+    ASSERT_TRUE(peer.handshake(good_hello()));
+    ASSERT_TRUE(server.inbox.wait_accepted(1));
+    std::vector<std::byte> payload(100000);
+    testing::fill_pattern(payload, 0, 7);
+    auto conn = server.inbox.accepted_at(0);
+    ASSERT_TRUE(conn->send(0, payload));
+    ASSERT_TRUE(conn->flush(0));
+    // Heartbeats (batch frames) may come first; read up to the single frame.
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    for (;;) {
+      std::vector<std::byte> frame(wire::kHeaderBytes);
+      ASSERT_TRUE(stream_io::read_exact(peer.fd(), frame, deadline, "frame header"));
+      const wire::FrameHeaderWire h = wire::load_header(frame.data());
+      ASSERT_GE(h.frame_bytes, wire::kHeaderBytes);
+      frame.resize(h.frame_bytes);
+      ASSERT_TRUE(stream_io::read_exact(
+          peer.fd(), std::span<std::byte>(frame).subspan(wire::kHeaderBytes), deadline, "frame"));
+      if (h.kind != static_cast<std::uint8_t>(wire::FrameKind::kSingle)) {
+        EXPECT_EQ(h.flags, 0) << "batch frames are always covered whole";
+        continue;
+      }
+      EXPECT_EQ(h.flags, payload_checksum ? 0 : wire::kFrameFlagPrefixChecksum);
+      auto decoded = wire::decode_frame(frame);
+      ASSERT_TRUE(decoded) << decoded.error().to_string();
+      const auto item = decoded->item(0);
+      EXPECT_TRUE(std::equal(item.payload.begin(), item.payload.end(), payload.begin(), payload.end()));
+      // A flipped payload byte fails the check only when the payload is covered.
+      frame[wire::kSinglePrefixBytes + 5000] ^= std::byte{0x40};
+      EXPECT_EQ(wire::decode_frame(frame).has_value(), !payload_checksum);
+      break;
+    }
+  }
 }
 
 TEST(TcpFailure, ShortReadsOneByteAtATimeStillDeliverEveryMessage) {

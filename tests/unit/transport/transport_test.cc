@@ -22,6 +22,7 @@ struct Mode {
   const char* name;
   Kind kind;
   ZeroCopy zero_copy;
+  bool payload_checksum = false;
 };
 
 std::string address_for(const Mode& mode, const std::string& tag) {
@@ -35,6 +36,7 @@ Options options_for(const Mode& mode) {
   Options o;
   o.kind = mode.kind;
   o.zero_copy = mode.zero_copy;
+  o.payload_checksum = mode.payload_checksum;
   o.num_channels = 2;
   o.num_io_threads = 2;
   o.max_message_bytes = std::uint64_t{80} << 20;
@@ -299,6 +301,7 @@ TEST_P(TransportTest, PeerMemoryIsWritableOnlyOverShm) {
 INSTANTIATE_TEST_SUITE_P(All, TransportTest,
                          ::testing::Values(Mode{"tcp_writev", Kind::kTcp, ZeroCopy::kWritev},
                                            Mode{"tcp_sendfile", Kind::kTcp, ZeroCopy::kSendfile},
+                                           Mode{"tcp_payload_checksum", Kind::kTcp, ZeroCopy::kWritev, true},
                                            Mode{"shm", Kind::kShm, ZeroCopy::kWritev}),
                          [](const auto& p) { return std::string(p.param.name); });
 
