@@ -236,6 +236,13 @@ class Worker {
 
   Pipeline pipeline();
 
+  // Requests whose request_timeout deadline the worker still tracks: those in
+  // flight, plus finished ones not yet dropped (the queue is swept whenever
+  // it doubles, so this stays below about twice the requests in flight, plus
+  // 64). Memory per request is released when it finishes, not when its
+  // deadline passes. For tests and diagnostics. Thread-safe.
+  std::size_t tracked_deadlines() const;
+
  private:
   friend class Pipeline;
   Worker();
