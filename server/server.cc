@@ -54,6 +54,17 @@ proto::LossPolicy to_proto(config::WorkerLossPolicy p) {
   return proto::LossPolicy::kWait;
 }
 
+proto::OptimizerCode to_proto(config::OptimizerType t) {
+  switch (t) {
+    case config::OptimizerType::kSgd: return proto::OptimizerCode::kSgd;
+    case config::OptimizerType::kMomentum: return proto::OptimizerCode::kMomentum;
+    case config::OptimizerType::kAdam: return proto::OptimizerCode::kAdam;
+    case config::OptimizerType::kAdamW: return proto::OptimizerCode::kAdamW;
+    case config::OptimizerType::kAdagrad: return proto::OptimizerCode::kAdagrad;
+  }
+  return proto::OptimizerCode::kSgd;
+}
+
 // Error replies logged per connection before going quiet.
 constexpr std::uint32_t kLoggedErrorsPerConnection = 8;
 // Ranks with their own step gauge.
@@ -869,6 +880,8 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
   rb.staleness = config.server.consistency == config::Consistency::kSsp
                      ? config.server.staleness_steps
                      : 0;
+  rb.optimizer = static_cast<std::uint8_t>(to_proto(config.optimizer.type));
+  rb.nesterov = config.optimizer.type == config::OptimizerType::kMomentum && config.optimizer.nesterov;
   const auto body_bytes = proto::encode_body(rb);
   send_message(ReplyTo{c.id, channel}, proto::reply_header(h), body_bytes);
 }

@@ -210,6 +210,7 @@ struct ServerLink {
   std::atomic<std::uint64_t> poisoned_gen{0};
   // The join found settings that differ from this worker's config; warned.
   std::atomic<bool> settings_warned{false};
+  std::atomic<bool> optimizer_warned{false};  // the same, for [optimizer]
   // Attempts of the last full reconnect cycle to this server when it failed
   // (0: the last connect succeeded). While set, a new request reconnects
   // with one attempt instead of a full cycle (connect(quick)), so after the
@@ -643,6 +644,25 @@ Status Worker::Impl::join(ServerLink& link) {
                   ? fmt::format(" with staleness {}", body.staleness)
                   : "",
               mine, ssp ? fmt::format(" with staleness {}", config.server.staleness_steps) : "");
+  }
+  // The same for the optimizer: the server applies its own [optimizer]; a
+  // worker config naming another one (which the example trainer and its
+  // single-process baseline quote) describes a job that is not running.
+  // The learning rate is not compared: workers may change it at run time.
+  auto optimizer_text = [](std::string_view name, bool nesterov) {
+    return fmt::format("\"{}\"{}", name, nesterov ? " with Nesterov" : "");
+  };
+  const bool my_nesterov =
+      config.optimizer.type == config::OptimizerType::kMomentum && config.optimizer.nesterov;
+  const std::string server_optimizer = optimizer_text(
+      proto::optimizer_name(static_cast<proto::OptimizerCode>(body.optimizer)), body.nesterov != 0);
+  const std::string my_optimizer = optimizer_text(config::to_string(config.optimizer.type), my_nesterov);
+  if (server_optimizer != my_optimizer &&
+      !link.optimizer_warned.exchange(true, std::memory_order_relaxed)) {
+    log->warn("server {} ({}) applies optimizer {}, but this worker's config says {}: the "
+              "server's optimizer updates the keys it holds; give every process the same "
+              "[optimizer] table",
+              link.index, link.address, server_optimizer, my_optimizer);
   }
   return ok_status();
 }

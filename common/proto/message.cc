@@ -275,6 +275,17 @@ std::string_view consistency_name(Consistency c) noexcept {
   return "unknown";
 }
 
+std::string_view optimizer_name(OptimizerCode o) noexcept {
+  switch (o) {
+    case OptimizerCode::kSgd: return "sgd";
+    case OptimizerCode::kMomentum: return "momentum";
+    case OptimizerCode::kAdam: return "adam";
+    case OptimizerCode::kAdamW: return "adamw";
+    case OptimizerCode::kAdagrad: return "adagrad";
+  }
+  return "unknown";
+}
+
 std::string_view loss_policy_name(LossPolicy p) noexcept {
   switch (p) {
     case LossPolicy::kWait: return "wait";

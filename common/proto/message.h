@@ -204,10 +204,15 @@ static_assert(offsetof(ReplyPlacement, offset_bytes) == 8);
 // Consistency model and loss policy codes (JoinReplyBody, checkpoints).
 enum class Consistency : std::uint8_t { kBsp = 0, kAsp = 1, kSsp = 2 };
 enum class LossPolicy : std::uint8_t { kWait = 0, kShrink = 1, kFail = 2 };
+// Optimizer codes (JoinReplyBody): the [optimizer] type the server applies.
+enum class OptimizerCode : std::uint8_t { kSgd = 0, kMomentum = 1, kAdam = 2, kAdamW = 3, kAdagrad = 4 };
 std::string_view consistency_name(Consistency c) noexcept;
 std::string_view loss_policy_name(LossPolicy p) noexcept;
+// "sgd", "momentum", "adam", "adamw", "adagrad" (the config's names); "unknown".
+std::string_view optimizer_name(OptimizerCode o) noexcept;
 
-// Body of a join reply (24 bytes, little-endian): the server's settings.
+// Body of a join reply (32 bytes, little-endian): the server's settings, so
+// a worker can say when its own config disagrees (the server's apply).
 struct JoinReplyBody {
   std::uint32_t num_workers;   // 0
   std::uint32_t num_servers;   // 4
@@ -216,9 +221,13 @@ struct JoinReplyBody {
   std::uint8_t loss_policy;    // 13 LossPolicy
   std::uint16_t num_shards;    // 14
   std::uint64_t staleness;     // 16 SSP bound s (0 otherwise)
+  std::uint8_t optimizer;      // 24 OptimizerCode
+  std::uint8_t nesterov;       // 25 1: Nesterov momentum (optimizer momentum only)
+  std::uint8_t reserved[6];    // 26 zero
 };
-static_assert(sizeof(JoinReplyBody) == 24);
+static_assert(sizeof(JoinReplyBody) == 32);
 static_assert(offsetof(JoinReplyBody, staleness) == 16);
+static_assert(offsetof(JoinReplyBody, optimizer) == 24);
 
 // A decoded message: a typed header, the shape and the payload, both views
 // into the decoded bytes (valid as long as those bytes are).

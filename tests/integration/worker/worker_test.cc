@@ -316,6 +316,52 @@ TEST(WorkerClient, AConsistencyThatDiffersFromTheServersIsWarnedAboutOnce) {
   ASSERT_TRUE((*w)->push_pull(1, kInit, got).wait());
 }
 
+// The server's [optimizer] applies; a worker whose config names another
+// type (or Nesterov where the server has none) is told once per server. The
+// learning rate may differ (workers change it at run time): no warning.
+TEST(WorkerClient, AnOptimizerThatDiffersFromTheServersIsWarnedAboutOnce) {
+  LocalServer s(base_config(1));  // sgd
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+  auto log = ember::log::logger("worker");
+  log->sinks().push_back(sink);
+  struct Remove {
+    std::shared_ptr<spdlog::logger> log;
+    ~Remove() { log->sinks().pop_back(); }
+  } remove{log};
+
+  config::Config same = s.config;
+  ASSERT_TRUE(config::set_value(same, "optimizer.learning_rate", "0.5"));
+  config::set_worker_rank(same, 0);
+  {
+    auto w = Worker::create(same);
+    ASSERT_TRUE(w) << w.error().to_string();
+  }
+  EXPECT_EQ(out.str().find("applies optimizer"), std::string::npos) << out.str();
+
+  config::Config other = s.config;
+  ASSERT_TRUE(config::set_value(other, "optimizer.type", "momentum"));
+  ASSERT_TRUE(config::set_value(other, "optimizer.momentum", "0.9"));
+  ASSERT_TRUE(config::set_value(other, "optimizer.nesterov", "true"));
+  config::set_worker_rank(other, 0);
+  auto w = Worker::create(other);
+  ASSERT_TRUE(w) << w.error().to_string();
+  const std::string text = out.str();
+  EXPECT_NE(text.find("server 0 (" + s.server->address() + ") applies optimizer \"sgd\", but this "
+                      "worker's config says \"momentum\" with Nesterov: the server's optimizer "
+                      "updates the keys it holds; give every process the same [optimizer] table"),
+            std::string::npos)
+      << text;
+  // The job runs, under the server's sgd with lr 1: 1 - 1 * 1 = 0.
+  ASSERT_TRUE((*w)->init(1, kShape, kInit).wait());
+  std::vector<float> got(4);
+  ASSERT_TRUE((*w)->push_pull(1, std::vector<float>(4, 1.0f), got).wait());
+  EXPECT_EQ(got, (std::vector<float>{0, 1, 2, 3}));
+  std::size_t warnings = 0;
+  for (std::size_t at = 0; (at = text.find("applies optimizer", at)) != std::string::npos; ++at) ++warnings;
+  EXPECT_EQ(warnings, 1u);
+}
+
 TEST(WorkerClient, SetLearningRateAppliesToLaterSteps) {
   LocalServer s(base_config(1));
   auto w = s.worker(0);

@@ -149,7 +149,8 @@ TEST(Proto, JoinBodiesRoundTrip) {
 
   Header r = reply_header(h);
   JoinReplyBody rb{4, 2, 1, static_cast<std::uint8_t>(Consistency::kSsp),
-                   static_cast<std::uint8_t>(LossPolicy::kShrink), 3, 5};
+                   static_cast<std::uint8_t>(LossPolicy::kShrink), 3, 5,
+                   static_cast<std::uint8_t>(OptimizerCode::kMomentum), 1, {}};
   const auto reply_bytes = encode_message(r, {}, encode_body(rb));
   auto rm = decode(reply_bytes);
   ASSERT_TRUE(rm) << rm.error().to_string();
@@ -157,6 +158,18 @@ TEST(Proto, JoinBodiesRoundTrip) {
   EXPECT_EQ(rback.staleness, 5u);
   EXPECT_EQ(rback.num_shards, 3u);
   EXPECT_EQ(rback.consistency, static_cast<std::uint8_t>(Consistency::kSsp));
+  EXPECT_EQ(rback.optimizer, static_cast<std::uint8_t>(OptimizerCode::kMomentum));
+  EXPECT_EQ(rback.nesterov, 1u);
+  EXPECT_EQ(optimizer_name(OptimizerCode::kAdamW), "adamw");
+  EXPECT_EQ(optimizer_name(static_cast<OptimizerCode>(9)), "unknown");
+  // A 24-byte reply (a server built before the optimizer field) is refused
+  // with the size it should have.
+  auto short_reply = encode_message(r, {}, std::span<const std::byte>(encode_body(rb)).first(24));
+  auto refused = decode(short_reply);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("join reply body is 24 bytes, expected 32"),
+            std::string::npos)
+      << refused.error().to_string();
 }
 
 TEST(Proto, SetLearningRateCarriesOneDouble) {
