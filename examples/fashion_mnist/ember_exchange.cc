@@ -40,6 +40,19 @@ Status EmberExchange::finish(const InFlight& op, std::string_view what) {
   return ok_status();
 }
 
+Status EmberExchange::settle(const InFlight& op, std::string_view what) {
+  Status st = finish(op, what);
+  if (st || !op.resent || st.error().code() != ErrorCode::kStale) return st;
+  const Parameter& p = tensors_[*op.resent];
+  log::logger("fmnist")->info(
+      "rank {}: the round of step {} for {} (key {}) closed without this rank while it was "
+      "gone (on_worker_loss = \"shrink\"); its gradient of that step is dropped and the "
+      "parameters after the round are pulled",
+      worker_->rank(), op.min_reply_step - 1, p.name, p.key);
+  return finish(InFlight{worker_->pull(p.key, p.value), p.key, p.name, op.min_reply_step, {}},
+                "pull after a closed round");
+}
+
 Status EmberExchange::drain(std::string_view what, bool resync, Status already) {
   // The first kOutOfStep error and the first other error, kept apart: only
   // the latter is fatal when resyncing.
@@ -56,7 +69,7 @@ Status EmberExchange::drain(std::string_view what, bool resync, Status already) 
   note(std::move(already));
   for (std::optional<InFlight>& op : pending_) {
     if (!op) continue;
-    note(finish(*op, what));  // keep waiting after an error: nothing may outlive this
+    note(settle(*op, what));  // keep waiting after an error: nothing may outlive this
     op.reset();
   }
   for (const InFlight& op : in_flight_) note(finish(op, what));
@@ -213,7 +226,7 @@ Status EmberExchange::start(std::span<const Parameter> params) {
   // copy: for a rank that rejoins, each tensor at the step init reported
   // (the client's step(key)).
   for (const Parameter& p : tensors_) {
-    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0});
+    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0, {}});
   }
   return drain("initial pull", /*resync=*/false);
 }
@@ -249,13 +262,13 @@ Status EmberExchange::gradients_ready(std::uint64_t step, std::span<const Parame
       // the parameters after that step's round (client_step is step + 1).
       pushed_at_resume_[i] = false;
       pending_[i] = InFlight{worker_->push_pull(p.key, p.grad, p.value, step), p.key, p.name,
-                             client_step};
+                             client_step, i};
       continue;
     }
     // The reply to a push_pull of client step c carries the step to compute
     // next: c + 1 once the push is in.
     pending_[i] = InFlight{pipeline_->enqueue_push_pull(p.key, p.grad, p.value), p.key, p.name,
-                           client_step + 1};
+                           client_step + 1, {}};
   }
   next_step_ = step + 1;
   // A connection lost while flushing (kClosed, kIo: a server killed) is not
@@ -277,7 +290,7 @@ Status EmberExchange::await_parameters(std::uint64_t step, std::span<const Param
     if (!pending_[i]) continue;
     std::optional<InFlight> op = std::move(pending_[i]);
     pending_[i].reset();
-    Status st = finish(*op, "push_pull");
+    Status st = settle(*op, "push_pull");
     if (!st && st.error().code() == ErrorCode::kOutOfStep) {
       // The server restarted from an older checkpoint: wait for the rest,
       // then continue from the server's parameters (ember_exchange.h).
@@ -332,7 +345,7 @@ Status EmberExchange::finish_epoch(std::uint32_t epoch) {
   // asp and ssp a worker's last reply predates the others' last pushes;
   // under bsp this returns the bytes already here).
   for (const Parameter& p : tensors_) {
-    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0});
+    in_flight_.push_back(InFlight{worker_->pull(p.key, p.value), p.key, p.name, 0, {}});
   }
   return drain(fmt::format("pull after epoch {}", epoch), /*resync=*/true);
 }

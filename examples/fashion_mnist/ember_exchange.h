@@ -54,7 +54,11 @@
 // (Worker::push_pull with a step), which the servers acknowledge without
 // applying (one push per worker, key and step) and answer with the
 // parameters after round s; from step s + 1 on every key is pushed as
-// usual. The gradients of that one step are computed with those tensors
+// usual. Under on_worker_loss = "shrink" a tensor at s + 1 may instead be
+// one whose round s closed without this rank (left out while it was gone):
+// the server refuses the re-send with kStale, and the exchange pulls that
+// tensor's parameters after round s (this rank's gradient of it for step s
+// is dropped, as the round already closed) and logs it once. The gradients of that one step are computed with those tensors
 // already at s + 1, so it is not bit-identical to an uninterrupted run.
 // When s is the start of an epoch, the others may be waiting in the end of
 // the previous epoch's barrier (the rank died before it) or past it:
@@ -208,10 +212,16 @@ class EmberExchange final : public GradientExchange {
     std::uint64_t key = 0;
     std::string name;
     std::uint64_t min_reply_step = 0;  // the reply must be at least this step
+    // Rejoin: the re-sent push of the resume step, for tensors_[*resent].
+    std::optional<std::size_t> resent;
   };
   // Waits for one operation; its error (or a reply step below
   // min_reply_step) with `what` and the tensor named.
   static Status finish(const InFlight& op, std::string_view what);
+  // finish(), except that a rejoin re-send refused with kStale (the round
+  // closed without this rank: on_worker_loss = "shrink" left it out while it
+  // was gone) pulls that tensor's parameters after the round instead.
+  Status settle(const InFlight& op, std::string_view what);
   // Waits for every in-flight operation (per tensor and the list); returns
   // the first error. Clears both and ends the pipeline. With `resync`,
   // kOutOfStep errors (`already` is one failed before the call, or OK) lead

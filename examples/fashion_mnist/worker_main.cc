@@ -13,7 +13,7 @@
 // --max-steps-per-epoch: they fix the steps and the samples of each step.
 //
 // A worker that died (kill -9, crash) while the job runs with [server]
-// on_worker_loss = "wait" is restarted with the same command plus --rejoin:
+// on_worker_loss = "wait" or "shrink" is restarted with the same command plus --rejoin:
 // it takes the servers' parameters and continues from their step (the epoch
 // and the step in it follow; the epoch's sample order is the usual one), and
 // the run still ends after --epochs epochs in all (ember_exchange.h,

@@ -17,7 +17,10 @@
 // restarted from an older checkpoint: the workers resync (one warning each)
 // and finish the job. A worker killed with -9 under on_worker_loss = "wait"
 // and restarted with --rejoin continues from the servers' step and the job
-// finishes; restarted without it, it is told to pass --rejoin.
+// finishes; restarted without it, it is told to pass --rejoin. Under
+// "shrink", a rejoining rank whose re-sent push finds its round closed
+// without it (kStale) pulls that tensor instead (EmberExchange driven step by
+// step with in-process workers).
 #include <gtest/gtest.h>
 
 #include <sched.h>
@@ -34,11 +37,14 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "common/config/config.h"
 #include "examples/fashion_mnist/data.h"
+#include "examples/fashion_mnist/ember_exchange.h"
 #include "examples/fashion_mnist/mlp.h"
 #include "examples/fashion_mnist/optimizer.h"
 #include "examples/fashion_mnist/trainer.h"
@@ -710,6 +716,96 @@ TEST_F(FmnistJob, WorkersKilledAndRestartedWithRejoinContinueTheJob) {
             field(lines_with(*w[1], "RESULT ")[0], "test_accuracy"));
   server->signal(SIGTERM);
   EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
+}
+
+// Rejoin under on_worker_loss = "shrink", driven step by step through
+// EmberExchange with in-process workers: while rank 1 is gone, rank 0 pushes
+// step 1 of tensor 0 alone and its round closes without rank 1. The
+// restarted rank 1 finds tensor 0 at step 2 and tensor 1 at step 1, resumes
+// at 1 and re-sends step 1 of tensor 0, which the server refuses with
+// kStale (it never had rank 1's push): the exchange pulls the tensor
+// instead, and both ranks continue with the same parameters.
+TEST_F(FmnistJob, RejoinUnderShrinkPullsATensorWhoseRoundClosedWithoutIt) {
+  const std::string config_path = write_config(2, "bsp", "shrink");
+  auto server = start_server(config_path);
+  ASSERT_NE(server, nullptr);
+  auto loaded = config::load_config_file(config_path);
+  ASSERT_TRUE(loaded) << loaded.error().to_string();
+  const std::string address = fmt::format("127.0.0.1:{}", port_);
+  ASSERT_TRUE(config::set_servers(*loaded, std::span<const std::string>(&address, 1)));
+  auto make_worker = [&](std::uint32_t rank) {
+    config::Config c = *loaded;
+    config::set_worker_rank(c, rank);
+    return Worker::create(c);
+  };
+  // Two tensors of 2 x 1 (keys 1 and 2), values and gradients per rank.
+  struct Model {
+    std::vector<float> values = std::vector<float>(4, 1.0f);
+    std::vector<float> grads = std::vector<float>(4, 0.0f);
+    std::vector<Parameter> params;
+    explicit Model(float gradient) {
+      std::fill(grads.begin(), grads.end(), gradient);
+      for (std::size_t t = 0; t < 2; ++t) {
+        Parameter p;
+        p.key = 1 + t;
+        p.name = fmt::format("T{}", t);
+        p.rows = 2;
+        p.cols = 1;
+        p.offset = 2 * t;
+        p.value = std::span<float>(values).subspan(2 * t, 2);
+        p.grad = std::span<float>(grads).subspan(2 * t, 2);
+        params.push_back(p);
+      }
+    }
+    std::span<const Parameter> one(std::size_t t) const { return {&params[t], 1}; }
+  };
+  Model m0(0.5f), m1(0.25f);
+  auto w0 = make_worker(0);
+  ASSERT_TRUE(w0) << w0.error().to_string();
+  auto w1 = make_worker(1);
+  ASSERT_TRUE(w1) << w1.error().to_string();
+  EmberExchange ex0(**w0);
+  auto ex1 = std::make_unique<EmberExchange>(**w1);
+  Status started1 = ok_status();
+  std::thread starter([&] { started1 = ex1->start(m1.params); });  // waits for rank 0's init
+  ASSERT_TRUE(ex0.start(m0.params));
+  starter.join();
+  ASSERT_TRUE(started1) << started1.error().to_string();
+  // Step 0 with both ranks.
+  ASSERT_TRUE(ex0.gradients_ready(0, m0.params));
+  ASSERT_TRUE(ex1->gradients_ready(0, m1.params));
+  ASSERT_TRUE(ex0.await_parameters(1, m0.params));
+  ASSERT_TRUE(ex1->await_parameters(1, m1.params));
+  ASSERT_EQ(m0.values, m1.values);
+  // Rank 1 goes away; rank 0's round 1 of tensor 0 closes without it (the
+  // reply is the proof that the server left rank 1 out).
+  ex1.reset();
+  w1->reset();
+  ASSERT_TRUE(ex0.gradients_ready(1, m0.one(0)));
+  ASSERT_TRUE(ex0.await_parameters(2, m0.one(0)));
+  // Rank 1 restarts with rejoin.
+  auto w1b = make_worker(1);
+  ASSERT_TRUE(w1b) << w1b.error().to_string();
+  Model m1b(0.25f);
+  EmberExchange ex1b(**w1b, EmberExchangeOptions{.rejoin = true});
+  ASSERT_TRUE(ex1b.start(m1b.params));
+  EXPECT_EQ(ex1b.resume_step(), 1u);
+  // Step 1: tensor 1 with both ranks; rank 1's re-send of tensor 0 is refused
+  // (kStale) and pulled instead.
+  ASSERT_TRUE(ex0.gradients_ready(1, m0.one(1)));
+  ASSERT_TRUE(ex1b.gradients_ready(1, m1b.params));
+  ASSERT_TRUE(ex0.await_parameters(2, m0.one(1)));
+  Status s = ex1b.await_parameters(2, m1b.params);
+  ASSERT_TRUE(s) << s.error().to_string();
+  EXPECT_EQ(m0.values, m1b.values);
+  // Step 2 as usual, every tensor with both ranks.
+  ASSERT_TRUE(ex0.gradients_ready(2, m0.params));
+  ASSERT_TRUE(ex1b.gradients_ready(2, m1b.params));
+  ASSERT_TRUE(ex0.await_parameters(3, m0.params));
+  ASSERT_TRUE(ex1b.await_parameters(3, m1b.params));
+  EXPECT_EQ(m0.values, m1b.values);
+  ASSERT_TRUE(ex0.sync());
+  ASSERT_TRUE(ex1b.sync());
 }
 
 TEST_F(FmnistJob, WorkerRestartedWithoutRejoinIsToldToPassRejoin) {
