@@ -279,16 +279,25 @@ TEST(WorkerClient, AWorkerWithAnotherPartitionBytesIsRefusedAtJoin) {
 
 // A worker whose config names another consistency than the server's joins
 // (the server's setting applies) and says so once, naming both.
+// Copies what the "worker" logger writes while it lives.
+class CapturedWorkerLog {
+ public:
+  CapturedWorkerLog() : log_(ember::log::logger("worker")) {
+    log_->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(out_));
+  }
+  ~CapturedWorkerLog() { log_->sinks().pop_back(); }
+  CapturedWorkerLog(const CapturedWorkerLog&) = delete;
+  CapturedWorkerLog& operator=(const CapturedWorkerLog&) = delete;
+  std::string text() const { return out_.str(); }
+
+ private:
+  std::ostringstream out_;
+  std::shared_ptr<spdlog::logger> log_;
+};
+
 TEST(WorkerClient, AConsistencyThatDiffersFromTheServersIsWarnedAboutOnce) {
   LocalServer s(base_config(1));  // bsp
-  std::ostringstream out;
-  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
-  auto log = ember::log::logger("worker");
-  log->sinks().push_back(sink);
-  struct Remove {
-    std::shared_ptr<spdlog::logger> log;
-    ~Remove() { log->sinks().pop_back(); }
-  } remove{log};
+  CapturedWorkerLog log;
 
   config::Config same = s.config;
   config::set_worker_rank(same, 0);
@@ -296,7 +305,7 @@ TEST(WorkerClient, AConsistencyThatDiffersFromTheServersIsWarnedAboutOnce) {
     auto w = Worker::create(same);
     ASSERT_TRUE(w) << w.error().to_string();
   }
-  EXPECT_EQ(out.str().find("runs consistency"), std::string::npos) << out.str();
+  EXPECT_EQ(log.text().find("runs consistency"), std::string::npos) << log.text();
 
   config::Config other = s.config;
   ASSERT_TRUE(config::set_value(other, "server.consistency", "ssp"));
@@ -304,7 +313,7 @@ TEST(WorkerClient, AConsistencyThatDiffersFromTheServersIsWarnedAboutOnce) {
   config::set_worker_rank(other, 0);
   auto w = Worker::create(other);
   ASSERT_TRUE(w) << w.error().to_string();
-  const std::string text = out.str();
+  const std::string text = log.text();
   EXPECT_NE(text.find("server 0 (" + s.server->address() + ") runs consistency \"bsp\", but this "
                       "worker's config says \"ssp\" with staleness 3: the server's setting applies"),
             std::string::npos)
@@ -321,14 +330,7 @@ TEST(WorkerClient, AConsistencyThatDiffersFromTheServersIsWarnedAboutOnce) {
 // learning rate may differ (workers change it at run time): no warning.
 TEST(WorkerClient, AnOptimizerThatDiffersFromTheServersIsWarnedAboutOnce) {
   LocalServer s(base_config(1));  // sgd
-  std::ostringstream out;
-  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
-  auto log = ember::log::logger("worker");
-  log->sinks().push_back(sink);
-  struct Remove {
-    std::shared_ptr<spdlog::logger> log;
-    ~Remove() { log->sinks().pop_back(); }
-  } remove{log};
+  CapturedWorkerLog log;
 
   config::Config same = s.config;
   ASSERT_TRUE(config::set_value(same, "optimizer.learning_rate", "0.5"));
@@ -337,7 +339,7 @@ TEST(WorkerClient, AnOptimizerThatDiffersFromTheServersIsWarnedAboutOnce) {
     auto w = Worker::create(same);
     ASSERT_TRUE(w) << w.error().to_string();
   }
-  EXPECT_EQ(out.str().find("applies optimizer"), std::string::npos) << out.str();
+  EXPECT_EQ(log.text().find("applies optimizer"), std::string::npos) << log.text();
 
   config::Config other = s.config;
   ASSERT_TRUE(config::set_value(other, "optimizer.type", "momentum"));
@@ -346,7 +348,7 @@ TEST(WorkerClient, AnOptimizerThatDiffersFromTheServersIsWarnedAboutOnce) {
   config::set_worker_rank(other, 0);
   auto w = Worker::create(other);
   ASSERT_TRUE(w) << w.error().to_string();
-  const std::string text = out.str();
+  const std::string text = log.text();
   EXPECT_NE(text.find("server 0 (" + s.server->address() + ") applies optimizer \"sgd\", but this "
                       "worker's config says \"momentum\" with Nesterov: the server's optimizer "
                       "updates the keys it holds; give every process the same [optimizer] table"),
