@@ -99,6 +99,22 @@ TEST(WorkerClient, UnreachableServerFailsCreateWithTheAddress) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }
 
+// Ranks 0 and 1 of `s`, with key 1 registered (kShape, rank 0's kInit).
+// Both null when something failed (the test fails too).
+std::pair<std::unique_ptr<Worker>, std::unique_ptr<Worker>> two_workers_with_key_1(
+    const LocalServer& s) {
+  auto w0 = s.worker(0);
+  auto w1 = s.worker(1);
+  EXPECT_TRUE(w0 && w1);
+  if (!w0 || !w1) return {};
+  auto i1 = w1->init(1, kShape, {});
+  const bool ok = static_cast<bool>(w0->init(1, kShape, kInit).wait());
+  const bool ok1 = static_cast<bool>(i1.wait());
+  EXPECT_TRUE(ok && ok1);
+  if (!ok || !ok1) return {};
+  return {std::move(w0), std::move(w1)};
+}
+
 // Each request's deadline entry used to stay queued until request_timeout
 // passed, keeping the finished Op's memory: the worker grew by ~350 bytes
 // per request for request_timeout (the pushpull bench saw page faults per
@@ -109,12 +125,8 @@ TEST(WorkerClient, FinishedRequestsAreNotTrackedUntilTheirDeadline) {
   ASSERT_TRUE(config::set_value(c, "server.consistency", "asp"));
   ASSERT_TRUE(config::set_value(c, "worker.request_timeout", "60s"));
   LocalServer s(c);
-  auto w0 = s.worker(0);
-  auto w1 = s.worker(1);
+  auto [w0, w1] = two_workers_with_key_1(s);
   ASSERT_TRUE(w0 && w1);
-  auto i1 = w1->init(1, kShape, {});
-  ASSERT_TRUE(w0->init(1, kShape, kInit).wait());
-  ASSERT_TRUE(i1.wait());
   const std::vector<float> g(4, 0.0f);
   std::vector<float> out(4);
   constexpr int kRequests = 3000;
@@ -137,12 +149,8 @@ TEST(WorkerClient, RequestTimeoutEndsAWaitThatCannotComplete) {
   config::Config c = base_config(2);
   ASSERT_TRUE(config::set_value(c, "worker.request_timeout", "300ms"));
   LocalServer s(c);
-  auto w0 = s.worker(0);
-  auto w1 = s.worker(1);
+  auto [w0, w1] = two_workers_with_key_1(s);
   ASSERT_TRUE(w0 && w1);
-  auto i1 = w1->init(1, kShape, {});
-  ASSERT_TRUE(w0->init(1, kShape, kInit).wait());
-  ASSERT_TRUE(i1.wait());
   ASSERT_TRUE(w0->push(1, kInit).wait());
   std::vector<float> out(4, -1.0f);
   const auto t0 = std::chrono::steady_clock::now();
@@ -295,34 +303,39 @@ class CapturedWorkerLog {
   std::shared_ptr<spdlog::logger> log_;
 };
 
+// Rank 0 created from the server's config with `overrides` (null when that
+// fails: the test fails too), and what the "worker" logger wrote meanwhile.
+struct Joined {
+  std::unique_ptr<Worker> worker;
+  std::string log;
+};
+Joined join_with(const LocalServer& s,
+                 std::initializer_list<std::pair<const char*, const char*>> overrides) {
+  config::Config c = s.config;
+  for (const auto& [key, value] : overrides) EXPECT_TRUE(config::set_value(c, key, value)) << key;
+  config::set_worker_rank(c, 0);
+  CapturedWorkerLog log;
+  auto w = Worker::create(c);
+  EXPECT_TRUE(w) << w.error().to_string();
+  return Joined{w ? std::move(*w) : nullptr, log.text()};
+}
+
 TEST(WorkerClient, AConsistencyThatDiffersFromTheServersIsWarnedAboutOnce) {
   LocalServer s(base_config(1));  // bsp
-  CapturedWorkerLog log;
+  const std::string quiet = join_with(s, {}).log;  // that worker leaves at once
+  EXPECT_EQ(quiet.find("runs consistency"), std::string::npos) << quiet;
 
-  config::Config same = s.config;
-  config::set_worker_rank(same, 0);
-  {
-    auto w = Worker::create(same);
-    ASSERT_TRUE(w) << w.error().to_string();
-  }
-  EXPECT_EQ(log.text().find("runs consistency"), std::string::npos) << log.text();
-
-  config::Config other = s.config;
-  ASSERT_TRUE(config::set_value(other, "server.consistency", "ssp"));
-  ASSERT_TRUE(config::set_value(other, "server.staleness", "3"));
-  config::set_worker_rank(other, 0);
-  auto w = Worker::create(other);
-  ASSERT_TRUE(w) << w.error().to_string();
-  const std::string text = log.text();
+  auto [w, text] = join_with(s, {{"server.consistency", "ssp"}, {"server.staleness", "3"}});
+  ASSERT_TRUE(w);
   EXPECT_NE(text.find("server 0 (" + s.server->address() + ") runs consistency \"bsp\", but this "
                       "worker's config says \"ssp\" with staleness 3: the server's setting applies"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("give every process the same [server] table"), std::string::npos) << text;
   // The job runs (under the server's bsp).
-  ASSERT_TRUE((*w)->init(1, kShape, kInit).wait());
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
   std::vector<float> got(4);
-  ASSERT_TRUE((*w)->push_pull(1, kInit, got).wait());
+  ASSERT_TRUE(w->push_pull(1, kInit, got).wait());
 }
 
 // The server's [optimizer] applies; a worker whose config names another
@@ -330,34 +343,22 @@ TEST(WorkerClient, AConsistencyThatDiffersFromTheServersIsWarnedAboutOnce) {
 // learning rate may differ (workers change it at run time): no warning.
 TEST(WorkerClient, AnOptimizerThatDiffersFromTheServersIsWarnedAboutOnce) {
   LocalServer s(base_config(1));  // sgd
-  CapturedWorkerLog log;
+  const std::string quiet = join_with(s, {{"optimizer.learning_rate", "0.5"}}).log;  // that worker leaves at once
+  EXPECT_EQ(quiet.find("applies optimizer"), std::string::npos) << quiet;
 
-  config::Config same = s.config;
-  ASSERT_TRUE(config::set_value(same, "optimizer.learning_rate", "0.5"));
-  config::set_worker_rank(same, 0);
-  {
-    auto w = Worker::create(same);
-    ASSERT_TRUE(w) << w.error().to_string();
-  }
-  EXPECT_EQ(log.text().find("applies optimizer"), std::string::npos) << log.text();
-
-  config::Config other = s.config;
-  ASSERT_TRUE(config::set_value(other, "optimizer.type", "momentum"));
-  ASSERT_TRUE(config::set_value(other, "optimizer.momentum", "0.9"));
-  ASSERT_TRUE(config::set_value(other, "optimizer.nesterov", "true"));
-  config::set_worker_rank(other, 0);
-  auto w = Worker::create(other);
-  ASSERT_TRUE(w) << w.error().to_string();
-  const std::string text = log.text();
+  auto [w, text] = join_with(s, {{"optimizer.type", "momentum"},
+                                 {"optimizer.momentum", "0.9"},
+                                 {"optimizer.nesterov", "true"}});
+  ASSERT_TRUE(w);
   EXPECT_NE(text.find("server 0 (" + s.server->address() + ") applies optimizer \"sgd\", but this "
                       "worker's config says \"momentum\" with Nesterov: the server's optimizer "
                       "updates the keys it holds; give every process the same [optimizer] table"),
             std::string::npos)
       << text;
   // The job runs, under the server's sgd with lr 1: 1 - 1 * 1 = 0.
-  ASSERT_TRUE((*w)->init(1, kShape, kInit).wait());
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
   std::vector<float> got(4);
-  ASSERT_TRUE((*w)->push_pull(1, std::vector<float>(4, 1.0f), got).wait());
+  ASSERT_TRUE(w->push_pull(1, std::vector<float>(4, 1.0f), got).wait());
   EXPECT_EQ(got, (std::vector<float>{0, 1, 2, 3}));
   std::size_t warnings = 0;
   for (std::size_t at = 0; (at = text.find("applies optimizer", at)) != std::string::npos; ++at) ++warnings;
