@@ -14,6 +14,7 @@ Result<std::uint64_t> Op::result_locked() const {
 }
 
 void Op::finish_locked(std::unique_lock<std::mutex>& lock) {
+  if (out_of_step_at && on_out_of_step) on_out_of_step(*out_of_step_at);
   if (before_done) before_done(result_locked());
   done = true;
   // release: a waiter that sees the flag and then takes `mutex` reads the
@@ -42,19 +43,39 @@ bool Op::complete_part(std::optional<std::uint64_t> part_step) {
 
 bool Op::fail(Error e) {
   std::unique_lock lock(mutex);
-  if (done) return false;
+  if (done || error) return false;  // the first error wins
   error = std::move(e);
+  if (sends_in_flight > 0) return false;  // the last send_finished() finishes it
   finish_locked(lock);
   return true;
 }
 
 bool Op::fail_out_of_step(Error e, std::uint64_t at) {
   std::unique_lock lock(mutex);
-  if (done) return false;
+  if (done || error) return false;
   error = std::move(e);
-  if (on_out_of_step) on_out_of_step(at);
+  out_of_step_at = at;
+  if (sends_in_flight > 0) return false;
   finish_locked(lock);
   return true;
+}
+
+void Op::send_started() {
+  std::lock_guard lock(mutex);
+  ++sends_in_flight;
+}
+
+bool Op::send_finished() {
+  std::unique_lock lock(mutex);
+  if (sends_in_flight > 0) --sends_in_flight;
+  if (done || !error || sends_in_flight > 0) return false;
+  finish_locked(lock);
+  return true;
+}
+
+bool Op::failed() {
+  std::lock_guard lock(mutex);
+  return done || error.has_value();
 }
 
 void Op::add_parts(std::uint32_t n) {

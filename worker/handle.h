@@ -14,7 +14,14 @@
 // Buffers passed to an operation (gradients, pull destinations) must stay
 // valid and unchanged until the operation is done; after done, no worker
 // thread touches them again (a reply that arrives after a timeout is
-// dropped).
+// dropped). That includes a gradient sent without a copy (a pool block over
+// shm, any large gradient over tcp) that is still queued for the socket or
+// lent to the server when the operation fails (request_timeout, an error
+// reply): the operation is then done only once the transport is through with
+// it, when its send completes or its connection closes. A server that stops
+// reading is declared lost after [communication] heartbeat_timeout, which
+// closes the connection, so such a failure can come up to about
+// heartbeat_timeout after request_timeout.
 //
 // Boost.Asio: async_wait(executor, token) completes with signature
 // void(ember::Result<std::uint64_t>) on `executor` — a callback, a
@@ -63,6 +70,16 @@ struct Op {
   bool fail_out_of_step(Error error, std::uint64_t server_step);
   // Adds `n` parts before any can complete (used while issuing).
   void add_parts(std::uint32_t n);
+  // A send that reads the caller's memory without a copy starts / has
+  // finished (its completion ran, with any status). While any is in flight,
+  // fail() and fail_out_of_step() record their error but do not finish the
+  // operation; the last send_finished() does. send_finished returns true if
+  // it finished the operation. Thread-safe.
+  void send_started();
+  bool send_finished();
+  // True once an error is recorded (done, or waiting for its sends): the
+  // request must not be re-sent. Takes `mutex`.
+  bool failed();
 
   using Callback = std::function<void(Result<std::uint64_t>)>;
   // Runs `cb` once when done (at once, on this thread, when already done;
@@ -78,6 +95,8 @@ struct Op {
   std::optional<Error> error;
   std::uint64_t step = ~std::uint64_t{0};
   bool step_set = false;
+  std::uint32_t sends_in_flight = 0;          // see send_started()
+  std::optional<std::uint64_t> out_of_step_at;  // fail_out_of_step's step, until done
   std::vector<Callback> callbacks;
   // Mirrors `done` (release store under `mutex`), so wait() can poll it
   // without the lock.

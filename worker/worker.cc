@@ -681,6 +681,7 @@ std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts, std::string what) 
     // pull) would hold everything behind it, so the whole queue is swept
     // whenever it has doubled since the last sweep (amortised O(1)).
     while (!timers.empty() && is_finished(timers.front())) timers.pop_front();
+    if (timers.empty()) timers_sweep_at = kTimerSweepMin;  // a burst's threshold ends with it
     if (timers.size() >= timers_sweep_at) {
       std::erase_if(timers, is_finished);
       timers_sweep_at = std::max(kTimerSweepMin, 2 * timers.size());
@@ -691,7 +692,10 @@ std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts, std::string what) 
   // Deadlines only grow, so the timer thread rarely needs waking: only when
   // this one is now the first (a context switch per request costs more than
   // the request on a small machine).
-  if (earliest) timer_cv.notify_one();
+  // notify_all: connect back-offs wait on timer_cv too, and a notify_one
+  // that woke one of them would leave the timer thread asleep on an empty
+  // queue, so that no later request ever timed out. Rare (an empty queue).
+  if (earliest) timer_cv.notify_all();
   return op;
 }
 
@@ -897,11 +901,9 @@ void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
   bool back_off = false;
   for (;;) {
     // Requests whose operation is over (timed out, or failed on another
-    // chunk) are dropped: the caller may reuse their buffers.
-    std::erase_if(reqs, [](const PendingReq& r) {
-      std::lock_guard lock(r.op->mutex);
-      return r.op->done;
-    });
+    // chunk; or failed and waiting for a send to finish) are dropped: the
+    // caller may reuse their buffers.
+    std::erase_if(reqs, [](const PendingReq& r) { return r.op->failed(); });
     if (reqs.empty()) return;
     if (closing.load()) {
       for (auto& r : reqs) {
@@ -1158,6 +1160,10 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
     if (Status s = c.send(o.channel, std::span(head.data(), prefix)); !s) return fail(s.error(), true);
     auto* bytes = const_cast<std::byte*>(o.data.data());
     transport::Buffer payload;
+    // Borrowed: the transport reads the caller's memory after send() returns
+    // (queued for the socket, or lent to the server over shm), so the
+    // operation may not be done before its completion runs (Op::send_started).
+    bool borrowed = true;
     if (in_pool(bytes, o.data.size())) {
       transport::MemoryLocation loc;
       loc.fd = pool->fd();
@@ -1170,9 +1176,13 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
       // shm sends by reference only from registered memory: one copy into the pool.
       payload = proto::allocate_buffer(*pool, o.data.size(), region_id.load(std::memory_order_acquire));
       std::memcpy(payload.data(), bytes, o.data.size());
+      borrowed = false;
     }
     std::shared_ptr<Op> op = o.op;
-    Status s = c.send(o.channel, std::move(payload), [this, op](const Status& st) {
+    if (borrowed) op->send_started();
+    Status s = c.send(o.channel, std::move(payload), [this, op, borrowed](const Status& st) {
+      // First: a failure recorded meanwhile (request_timeout) finishes here.
+      if (borrowed) op->send_finished();
       if (st || (config.worker.resend_attempts > 0 && !closing.load())) {
         // Failed with resending on: the connection is lost, and its request
         // (the reply part, still open) is re-sent with a fresh completion,
@@ -1186,6 +1196,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
     // The header went out: the server now takes the next message on this
     // channel as its payload, so the connection cannot be used any more.
     if (!s) {
+      if (borrowed) op->send_finished();
       c.close();
       return fail(s.error(), true);
     }

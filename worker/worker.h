@@ -237,10 +237,13 @@ class Worker {
   Pipeline pipeline();
 
   // Requests whose request_timeout deadline the worker still tracks: those in
-  // flight, plus finished ones not yet dropped (the queue is swept whenever
-  // it doubles, so this stays below about twice the requests in flight, plus
-  // 64). Memory per request is released when it finishes, not when its
-  // deadline passes. For tests and diagnostics. Thread-safe.
+  // flight, plus finished ones not yet dropped. Finished ones are dropped
+  // from the front as requests are issued, and the whole queue is swept when
+  // it reaches twice its size after the last sweep (at least 64); so while
+  // one request stays pending, this stays below about twice the most
+  // requests in flight at once since it was issued, plus 64. Memory per
+  // request is released when it finishes, not when its deadline passes. For
+  // tests and diagnostics. Thread-safe.
   std::size_t tracked_deadlines() const;
 
  private:

@@ -8,6 +8,7 @@
 #include <unistd.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <filesystem>
@@ -402,6 +403,50 @@ struct LossScenario {
     return w0->pull(1, params);          // waits for round 3
   }
 };
+
+// A push whose gradient is still queued for the socket when request_timeout
+// passes (the server stopped reading: SIGSTOP) is done only once the
+// transport no longer reads the gradient: here when the heartbeat declares
+// the server lost and closes the connection. The caller then overwrites the
+// gradient; after SIGCONT the server must never apply those bytes. (It used
+// to: the push timed out while the rest of the gradient was still queued,
+// and the server applied half old, half new values, which only the payload
+// checksum had caught.)
+TEST(ServerStall, ATimedOutPushIsDoneOnlyOnceItsGradientIsNoLongerRead) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.consistency = "asp";
+  spec.learning_rate = 1.0;
+  spec.request_timeout = "500ms";
+  spec.partition_bytes = "64MB";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  config::Config c = worker_config(spec, {server.address()}, 0);
+  ASSERT_TRUE(config::set_value(c, "worker.resend_attempts", "0"));
+  auto w = Worker::create(c);
+  ASSERT_TRUE(w) << w.error().to_string();
+  constexpr std::uint64_t kFloats = std::uint64_t{8} << 20;  // 32 MiB: more than loopback buffers hold
+  const std::uint64_t shape[] = {kFloats};
+  ASSERT_TRUE((*w)->init(7, shape, std::vector<float>(kFloats, 0.0f)).wait());
+
+  server.process().signal(SIGSTOP);
+  std::vector<float> gradient(kFloats, 1.0f);  // heap memory: sent without a copy over tcp
+  auto pushed = (*w)->push(7, gradient).wait();
+  ASSERT_FALSE(pushed);
+  EXPECT_EQ(pushed.error().code(), ErrorCode::kTimeout) << pushed.error().to_string();
+  std::fill(gradient.begin(), gradient.end(), 1000.0f);  // the caller's memory again
+  server.process().signal(SIGCONT);
+
+  std::vector<float> params(kFloats, -5.0f);
+  auto pulled = (*w)->pull(7, params).wait();
+  ASSERT_TRUE(pulled) << pulled.error().to_string();
+  // Not applied (0), or applied whole with the bytes of the push (-1).
+  const auto zeros = std::count(params.begin(), params.end(), 0.0f);
+  const auto ones = std::count(params.begin(), params.end(), -1.0f);
+  EXPECT_TRUE(zeros == static_cast<std::ptrdiff_t>(kFloats) || ones == static_cast<std::ptrdiff_t>(kFloats))
+      << zeros << " zeros, " << ones << " x -1, "
+      << std::count(params.begin(), params.end(), -1000.0f) << " x -1000 (bytes written after done)";
+}
 
 TEST(ServerWorkerLoss, FailPolicyReturnsWorkerLostAtOnce) {
   LossScenario s("fail");

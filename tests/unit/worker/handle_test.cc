@@ -59,6 +59,45 @@ TEST(Handle, FirstErrorWinsAndFinishesAtOnce) {
   EXPECT_EQ(r.error().message(), "first");
 }
 
+// A failure (request_timeout, an error reply) while a zero-copy send still
+// reads the caller's memory is recorded at once but the operation is done
+// only when the last such send has finished: done means the buffers are the
+// caller's again.
+TEST(Handle, AFailureWaitsForTheSendsThatStillReadTheCallersMemory) {
+  auto op = std::make_shared<Op>(2);
+  Handle h(op);
+  op->send_started();
+  op->send_started();
+  EXPECT_FALSE(op->fail(Error(ErrorCode::kTimeout, "no reply")));
+  EXPECT_TRUE(op->failed());
+  EXPECT_FALSE(h.ready());
+  EXPECT_FALSE(op->fail(Error(ErrorCode::kClosed, "later")));  // the first error stays
+  EXPECT_FALSE(op->send_finished());
+  EXPECT_FALSE(h.ready());
+  EXPECT_TRUE(op->send_finished());
+  ASSERT_TRUE(h.ready());
+  EXPECT_EQ(h.wait().error().code(), ErrorCode::kTimeout);
+  EXPECT_FALSE(op->send_finished());  // nothing left to finish
+
+  // Without a failure the sends do not finish anything; parts do.
+  auto ok = std::make_shared<Op>(1);
+  ok->send_started();
+  EXPECT_FALSE(ok->send_finished());
+  EXPECT_FALSE(ok->failed());
+  EXPECT_TRUE(ok->complete_part(3));
+  EXPECT_EQ(*Handle(ok).wait(), 3u);
+
+  // fail_out_of_step runs its callback when the operation finishes.
+  auto oos = std::make_shared<Op>(1);
+  std::optional<std::uint64_t> told;
+  oos->on_out_of_step = [&](std::uint64_t at) { told = at; };
+  oos->send_started();
+  EXPECT_FALSE(oos->fail_out_of_step(Error(ErrorCode::kOutOfStep, "behind"), 9));
+  EXPECT_FALSE(told);
+  EXPECT_TRUE(oos->send_finished());
+  EXPECT_EQ(told, 9u);
+}
+
 TEST(Handle, AddedPartsDelayCompletion) {
   auto op = std::make_shared<Op>(1);
   op->add_parts(1);
