@@ -5,7 +5,9 @@
 // magic, version, kind, flags, reserved field, frame_bytes against
 // DecoderOptions::max_frame_bytes, the item count against what fits in the
 // frame, every item's offset and length against the frame (canonical packing,
-// see wire_format.h), and the CRC32C over the whole frame. It never reads or
+// see wire_format.h), and the CRC32C over the whole frame (over its header
+// and table only for a single frame with kFrameFlagPrefixChecksum; the
+// decoder still waits for the whole frame before handing it out). It never reads or
 // writes outside the bytes it was given. Checks run in that order and the
 // first failure is reported:
 //   kMalformedFrame    bad magic, unknown kind/flags, reserved != 0, frame_bytes

@@ -51,7 +51,7 @@ enum class FrameKind : std::uint8_t {
 // Frame header, 24 bytes at frame offset 0.
 struct FrameHeaderWire {
   std::uint32_t magic;        // kMagic
-  std::uint32_t crc32c;       // CRC32C of frame bytes [8, frame_bytes)
+  std::uint32_t crc32c;       // CRC32C of frame bytes [8, crc_end()): the whole frame, or [8, 40)
   std::uint8_t version;       // kVersion
   std::uint8_t kind;          // FrameKind
   std::uint16_t flags;        // frame flags: 0, or kFrameFlagPrefixChecksum on a kSingle frame
@@ -83,7 +83,7 @@ static_assert(offsetof(ItemEntryWire, flags) == 8);
 inline constexpr std::size_t kHeaderBytes = sizeof(FrameHeaderWire);
 inline constexpr std::size_t kItemEntryBytes = sizeof(ItemEntryWire);
 inline constexpr std::size_t kAlignBytes = 8;        // payload and frame alignment
-inline constexpr std::size_t kCrcCoverageBegin = 8;  // CRC covers [8, frame_bytes)
+inline constexpr std::size_t kCrcCoverageBegin = 8;  // CRC covers [8, crc_end(...))
 // Largest frame the format can describe (frame_bytes is a uint32, multiple of 8).
 inline constexpr std::size_t kMaxFrameBytes = 0xFFFFFFF8u;
 
