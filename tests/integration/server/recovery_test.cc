@@ -417,12 +417,15 @@ TEST(ServerStall, ATimedOutPushIsDoneOnlyOnceItsGradientIsNoLongerRead) {
   ClusterSpec spec;
   spec.consistency = "asp";
   spec.learning_rate = 1.0;
-  spec.request_timeout = "500ms";
+  // request_timeout well before the worker's heartbeat_timeout, and long
+  // enough for the 32 MiB init on a slow (sanitizer) build.
+  spec.request_timeout = "3s";
   spec.partition_bytes = "64MB";
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
   config::Config c = worker_config(spec, {server.address()}, 0);
   ASSERT_TRUE(config::set_value(c, "worker.resend_attempts", "0"));
+  ASSERT_TRUE(config::set_value(c, "communication.heartbeat_timeout", "6s"));
   auto w = Worker::create(c);
   ASSERT_TRUE(w) << w.error().to_string();
   constexpr std::uint64_t kFloats = std::uint64_t{8} << 20;  // 32 MiB: more than loopback buffers hold
@@ -431,8 +434,13 @@ TEST(ServerStall, ATimedOutPushIsDoneOnlyOnceItsGradientIsNoLongerRead) {
 
   server.process().signal(SIGSTOP);
   std::vector<float> gradient(kFloats, 1.0f);  // heap memory: sent without a copy over tcp
+  const auto t0 = std::chrono::steady_clock::now();
   auto pushed = (*w)->push(7, gradient).wait();
+  const auto waited = std::chrono::steady_clock::now() - t0;
   ASSERT_FALSE(pushed);
+  // Not at request_timeout (3 s): the gradient was still queued then; once
+  // the heartbeat (6 s) closed the connection.
+  EXPECT_GE(waited, 5s);
   EXPECT_EQ(pushed.error().code(), ErrorCode::kTimeout) << pushed.error().to_string();
   std::fill(gradient.begin(), gradient.end(), 1000.0f);  // the caller's memory again
   server.process().signal(SIGCONT);
