@@ -58,8 +58,9 @@ std::string config_summary(const config::Config& c, std::string_view path) {
   std::string servers;
   for (const auto& s : c.cluster.servers) servers += (servers.empty() ? "" : ", ") + s.to_string();
   std::string out = fmt::format("{}: valid\n", path);
-  out += fmt::format("  transport           {} (zero_copy {}, pool_backing {})\n", config::to_string(cm.transport),
-                     config::to_string(cm.zero_copy), config::to_string(cm.pool_backing));
+  out += fmt::format("  transport           {} (zero_copy {}, payload_checksum {}, pool_backing {})\n",
+                     config::to_string(cm.transport), config::to_string(cm.zero_copy),
+                     cm.payload_checksum ? "on" : "off", config::to_string(cm.pool_backing));
   out += fmt::format("  channels            {}{}\n", config::resolved_num_channels(cm),
                      cm.num_channels == 0 ? " (auto)" : "");
   out += fmt::format("  batching            batch_threshold {}, flush_interval {} ns, ring_buffer_size {}\n",

@@ -164,10 +164,12 @@ TEST(AverageMessage, BytesOverMessages) {
 TEST(ConfigSummary, NamesTheKnobsAnOperatorChecks) {
   auto c = parse(
       "[communication]\nchannels = 4\nbatch_threshold = \"8KB\"\nprealloc_pages = 64\n"
+      "payload_checksum = true\n"
       "[cluster]\nservers = [\"a:1\", \"b:2\"]\nnum_workers = 3\n"
       "[server]\ncheckpoint_dir = \"/var/lib/ember\"\nshards = 2\npartition_bytes = \"1MB\"\n");
   const std::string s = config_summary(c, "job.toml");
   EXPECT_NE(s.find("job.toml: valid"), std::string::npos);
+  EXPECT_NE(s.find("(zero_copy writev, payload_checksum on, pool_backing auto)"), std::string::npos) << s;
   EXPECT_NE(s.find("channels            4\n"), std::string::npos) << s;
   EXPECT_NE(s.find("batch_threshold 8 KiB"), std::string::npos) << s;
   EXPECT_NE(s.find("64 pages of 2 MiB (128 MiB)"), std::string::npos) << s;
