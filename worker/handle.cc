@@ -41,24 +41,19 @@ bool Op::complete_part(std::optional<std::uint64_t> part_step) {
   return true;
 }
 
-bool Op::fail(Error e) {
+bool Op::record_failure(Error e, std::optional<std::uint64_t> out_of_step) {
   std::unique_lock lock(mutex);
   if (done || error) return false;  // the first error wins
   error = std::move(e);
+  out_of_step_at = out_of_step;
   if (sends_in_flight > 0) return false;  // the last send_finished() finishes it
   finish_locked(lock);
   return true;
 }
 
-bool Op::fail_out_of_step(Error e, std::uint64_t at) {
-  std::unique_lock lock(mutex);
-  if (done || error) return false;
-  error = std::move(e);
-  out_of_step_at = at;
-  if (sends_in_flight > 0) return false;
-  finish_locked(lock);
-  return true;
-}
+bool Op::fail(Error e) { return record_failure(std::move(e), std::nullopt); }
+
+bool Op::fail_out_of_step(Error e, std::uint64_t at) { return record_failure(std::move(e), at); }
 
 void Op::send_started() {
   std::lock_guard lock(mutex);

@@ -117,6 +117,9 @@ struct Op {
 
  private:
   void finish_locked(std::unique_lock<std::mutex>& lock);
+  // fail() and fail_out_of_step() (with `out_of_step`): records the first
+  // error, finishes unless sends are in flight.
+  bool record_failure(Error error, std::optional<std::uint64_t> out_of_step);
 };
 
 }  // namespace worker_detail

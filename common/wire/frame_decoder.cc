@@ -300,6 +300,10 @@ void FrameDecoder::reserve_tail(std::size_t bytes) {
   end_ = live;
 }
 
+void FrameDecoder::extend_body_crc(std::span<const std::byte> bytes) noexcept {
+  if (info_.crc_covers_body()) ext_crc_ = crc32c_extend(ext_crc_, bytes);
+}
+
 Status FrameDecoder::check_crc(std::uint32_t computed) {
   if (computed != header_crc_) return fail(crc_error(info_, header_crc_, computed).value());
   state_ = State::kReady;
@@ -332,7 +336,7 @@ Status FrameDecoder::enter_body() {
       ext_filled_ = k;
       ext_crc_ = crc32c(std::span<const std::byte>(buf_.get() + begin_ + kCrcCoverageBegin,
                                                    prefix - kCrcCoverageBegin));
-      if (info_.crc_covers_body()) ext_crc_ = crc32c_extend(ext_crc_, ext_body_.first(k));
+      extend_body_crc(ext_body_.first(k));
       if (k == body) {
         frame_buffer_bytes_ = info_.frame_bytes;  // the next frame starts after the stale body
       } else {
@@ -400,7 +404,7 @@ Status FrameDecoder::feed(std::span<const std::byte> bytes) {
       n = std::min(bytes.size(), info_.body_bytes() - ext_filled_);
       // Copy (named): feed() is the copying API.
       std::memcpy(ext_body_.data() + ext_filled_, bytes.data(), n);
-      if (info_.crc_covers_body()) ext_crc_ = crc32c_extend(ext_crc_, bytes.first(n));
+      extend_body_crc(bytes.first(n));
       ext_filled_ += n;
     } else {
       // Take just what completes the current step, so a large frame's body
@@ -445,7 +449,7 @@ Status FrameDecoder::commit(std::size_t n) {
                   n, last_prepare_bytes_);
   prepare_pending_ = false;
   if (last_prepare_external_) {
-    if (info_.crc_covers_body()) ext_crc_ = crc32c_extend(ext_crc_, ext_body_.subspan(ext_filled_, n));
+    extend_body_crc(ext_body_.subspan(ext_filled_, n));
     ext_filled_ += n;
   } else {
     end_ += n;

@@ -252,6 +252,8 @@ class FrameDecoder {
   Status advance();
   Status fail(Error error);
   Status check_crc(std::uint32_t computed);
+  // Adds external-body bytes to ext_crc_ when the frame's CRC covers its body.
+  void extend_body_crc(std::span<const std::byte> bytes) noexcept;
   Status enter_body();
   // Makes room for `bytes` more bytes at buf_[end_] (compaction or growth).
   void reserve_tail(std::size_t bytes);
