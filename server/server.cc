@@ -22,6 +22,7 @@
 
 #include "common/base/logging.h"
 #include "common/memory/page_pool.h"
+#include "common/memory/stream_copy.h"
 #include "common/metrics/metrics.h"
 #include "common/placement/placement.h"
 #include "common/proto/message.h"
@@ -771,7 +772,16 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
                 c->rank, c->peer, mem.error().message());
     }
   }
-  if (!place.empty()) std::memcpy(place.data(), payload.data(), payload.size());
+  if (!place.empty()) {
+    // A chunk of a tensor too large to stay in the cache: stream it
+    // (memory/stream_copy.h); num_chunks x this chunk is the tensor's size
+    // within one chunk.
+    if (memory::use_stream_copy(std::size_t{h.num_chunks} * payload.size())) {
+      memory::stream_copy(place.data(), payload.data(), payload.size());
+    } else {
+      std::memcpy(place.data(), payload.data(), payload.size());
+    }
+  }
   std::lock_guard channel_lock(*c->send_mutex[to.channel]);
   if (!place.empty()) {
     replies_in_place->inc();
