@@ -61,6 +61,7 @@
 #include "common/base/logging.h"
 #include "common/config/config.h"
 #include "common/memory/size_class.h"
+#include "common/memory/stream_copy.h"
 #include "server/server.h"
 #include "worker/worker.h"
 
@@ -440,35 +441,69 @@ struct SweepResult {
 
 // The memory reference of one push then pull of `bytes`: the two passes any
 // parameter server makes over a tensor, done here on buffers of the same size
-// by `threads` threads (each on its own slice, as the server's shards each
-// take their own chunks): the update (p -= lr * g: reads g, reads and writes
-// p) and the reply (out = p). Its goodput falls where the three buffers stop
-// fitting in the caches, which shows how much of Ember's own fall from 16 MiB
-// to 256 MiB is the machine's. Seconds for the two passes, median of `reps`.
-double memory_reference(std::size_t bytes, unsigned threads, int reps) {
+// with no messaging, the way Ember's server does them: the tensor cut into
+// partition_bytes chunks, chunk i on thread i % threads (as chunks spread over
+// the shards), each thread running the update (p -= lr * g: reads g, reads
+// and writes p) and then the reply copy (out = p, streamed past the cache when
+// memory::use_stream_copy says so, as the server's in-place reply does). The
+// threads are started and parked before the clock starts, so a small size is
+// not charged a thread start (the shards are long-lived). Its goodput falls
+// where the three buffers stop fitting in the caches: that part of Ember's
+// fall from 16 MiB to 256 MiB is the machine's. Seconds for the two passes,
+// median of `reps`.
+double memory_reference(std::size_t bytes, unsigned threads, std::size_t chunk_bytes, int reps) {
   const std::size_t n = bytes / sizeof(float);
+  const std::size_t chunk = std::max<std::size_t>(1, chunk_bytes / sizeof(float));
+  const std::size_t chunks = (n + chunk - 1) / chunk;
+  threads = static_cast<unsigned>(std::clamp<std::size_t>(threads, 1, chunks));
+  const bool stream = ember::memory::use_stream_copy(bytes);
   std::vector<float> g(n, 1e-3f), p(n, 0.5f), out(n, 0.0f);
-  auto passes = [&](std::size_t begin, std::size_t end) {
+  auto passes = [&](unsigned t) {
     const float lr = 1e-9f;
-    float* __restrict pp = p.data();
-    const float* __restrict gp = g.data();
-    for (std::size_t i = begin; i < end; ++i) pp[i] -= lr * gp[i];
-    asm volatile("" : : "r"(pp) : "memory");
-    std::memcpy(out.data() + begin, p.data() + begin, (end - begin) * sizeof(float));
-    asm volatile("" : : "r"(out.data()) : "memory");
+    for (std::size_t c = t; c < chunks; c += threads) {
+      const std::size_t begin = c * chunk, end = std::min(n, begin + chunk);
+      float* __restrict pp = p.data();
+      const float* __restrict gp = g.data();
+      for (std::size_t i = begin; i < end; ++i) pp[i] -= lr * gp[i];
+      asm volatile("" : : "r"(pp) : "memory");
+    }
+    for (std::size_t c = t; c < chunks; c += threads) {
+      const std::size_t begin = c * chunk, end = std::min(n, begin + chunk);
+      if (stream) {
+        ember::memory::stream_copy(out.data() + begin, p.data() + begin, (end - begin) * sizeof(float));
+      } else {
+        std::memcpy(out.data() + begin, p.data() + begin, (end - begin) * sizeof(float));
+      }
+      asm volatile("" : : "r"(out.data()) : "memory");
+    }
   };
-  // Slices of whole 4 KiB pages; small tensors stay on one thread, as one
-  // chunk stays on one shard.
-  const std::size_t per = std::max<std::size_t>(1024, (n / threads + 1023) / 1024 * 1024);
+  // Parked helpers: each waits for the next round number, runs, reports done.
+  std::atomic<int> round{0}, done{0};
+  std::atomic<bool> quit{false};
+  std::vector<std::thread> helpers;
+  for (unsigned t = 1; t < threads; ++t) {
+    helpers.emplace_back([&, t] {
+      for (int seen = 0;;) {
+        int r;
+        while ((r = round.load(std::memory_order_acquire)) == seen && !quit.load()) std::this_thread::yield();
+        if (quit.load()) return;
+        seen = r;
+        passes(t);
+        done.fetch_add(1, std::memory_order_acq_rel);
+      }
+    });
+  }
   std::vector<double> t;
   for (int r = 0; r < reps + 1; ++r) {
+    done.store(0);
     const auto t0 = Clock::now();
-    std::vector<std::thread> helpers;
-    for (std::size_t b = per; b < n; b += per) helpers.emplace_back(passes, b, std::min(n, b + per));
-    passes(0, std::min(n, per));
-    for (auto& h : helpers) h.join();
+    round.fetch_add(1, std::memory_order_acq_rel);
+    passes(0);
+    while (done.load(std::memory_order_acquire) != static_cast<int>(threads) - 1) std::this_thread::yield();
     if (r > 0) t.push_back(seconds_since(t0));  // the first one faults the pages in
   }
+  quit.store(true);
+  for (auto& h : helpers) h.join();
   return median(t);
 }
 
@@ -587,6 +622,12 @@ int main(int argc, char** argv) {
   unsigned shard_count = default_shards();
   for (const auto& [key, value] : g_overrides) {
     if (key == "server.shards") shard_count = static_cast<unsigned>(std::max(1, std::atoi(value.c_str())));
+  }
+  // The chunk size the server cuts tensors into, for the memory reference.
+  std::uint64_t partition_bytes = ember::config::Config{}.server.partition_bytes;
+  if (auto cfg = ember::config::parse_config("", "bench")) {
+    for (const auto& [key, value] : g_overrides) (void)ember::config::set_value(*cfg, key, value);
+    partition_bytes = cfg->server.partition_bytes;
   }
   std::string pinning = fmt::format("pinned to CPUs [{}]", fmt::join(allowed_cpus(), ", "));
   for (const auto& [key, value] : g_overrides) {
@@ -711,7 +752,7 @@ int main(int argc, char** argv) {
         }
         ops4k[t].push_back(run.pipelined_4k_ops(20));
       }
-      for (auto s : sizes) reference_s[s].push_back(memory_reference(s, s >= (16u << 20) ? shard_count : 1, s <= (1u << 20) ? 50 : 4));
+      for (auto s : sizes) reference_s[s].push_back(memory_reference(s, shard_count, partition_bytes, s <= (1u << 20) ? 50 : 4));
     }
   }
   if (wanted("sweep")) {
@@ -750,7 +791,10 @@ int main(int argc, char** argv) {
   }
   if (!reference_gbs.empty()) {
     std::printf("(ref: the memory reference, the update pass and the reply copy over buffers of "
-                "that size by as many threads as the server has shards from 16 MiB, no messaging)\n");
+                "that size, in partition_bytes chunks over as many threads as the server has shards, "
+                "no messaging: where ref falls from 16 MiB, the machine's caches set the fall; "
+                "SUMMARY *_goodput_%s_vs_ref is Ember's goodput over ref's at that size)\n",
+                size_name(sizes.back()) == "256 MiB" ? "256m" : "64m");
   }
   for (const auto& t : transports) {
     if (ops4k.count(t)) std::printf("%s: pipelined 4 KiB pushes: %.0f ops/s\n", t.c_str(), median(ops4k[t]));
@@ -762,6 +806,7 @@ int main(int argc, char** argv) {
   const double tcp_crc_ms = median(step_s["ember-tcp+crc"]) * 1e3;
   const double shm_ms = median(step_s["ember-shm"]) * 1e3;
   const std::size_t big = sizes.back();
+  const char* big_tag = size_name(big) == "256 MiB" ? "256m" : "64m";
   std::printf("\ntargets: shm step <= 0.5 x gloo, tcp step <= 1 x gloo; goodput flat 16 MiB -> %s; "
               "0 faults/op; 4 KiB push p50 <= 50 us tcp, <= 15 us shm; >= 100000 pipelined 4 KiB ops/s\n",
               size_name(big).c_str());
@@ -769,15 +814,17 @@ int main(int argc, char** argv) {
       "SUMMARY shm_step_vs_gloo=%.2f tcp_step_vs_gloo=%.2f tcp_crc_step_vs_gloo=%.2f "
       "tcp_step_vs_memcpy=%.2f "
       "tcp_goodput_%s_vs_16m=%.2f shm_goodput_%s_vs_16m=%.2f ref_goodput_%s_vs_16m=%.2f "
-      "faults_per_op_%s=%.2f "
+      "tcp_goodput_%s_vs_ref=%.2f shm_goodput_%s_vs_ref=%.2f faults_per_op_%s=%.2f "
       "tcp_push_4k_p50_us=%.1f shm_push_4k_p50_us=%.1f tcp_pipelined_4k_ops_per_s=%.0f "
       "shm_pipelined_4k_ops_per_s=%.0f tiny_tcp_batched_vs_unbatched=%.2f tiny_shm_batched_vs_unbatched=%.2f\n",
       ratio(shm_ms, gloo_ms), ratio(tcp_ms, gloo_ms), ratio(tcp_crc_ms, gloo_ms),
       ratio(tcp_ms, median(step_s["memcpy ceiling"]) * 1e3),
-      size_name(big) == "256 MiB" ? "256m" : "64m", ratio(serial_gbs["tcp"][big], serial_gbs["tcp"][16u << 20]),
-      size_name(big) == "256 MiB" ? "256m" : "64m", ratio(serial_gbs["shm"][big], serial_gbs["shm"][16u << 20]),
-      size_name(big) == "256 MiB" ? "256m" : "64m", ratio(reference_gbs[big], reference_gbs[16u << 20]),
-      size_name(big) == "256 MiB" ? "256m" : "64m", faults_big, push_p50_us["tcp"][4u << 10],
+      big_tag, ratio(serial_gbs["tcp"][big], serial_gbs["tcp"][16u << 20]),
+      big_tag, ratio(serial_gbs["shm"][big], serial_gbs["shm"][16u << 20]),
+      big_tag, ratio(reference_gbs[big], reference_gbs[16u << 20]),
+      big_tag, ratio(serial_gbs["tcp"][big], reference_gbs[big]),
+      big_tag, ratio(serial_gbs["shm"][big], reference_gbs[big]),
+      big_tag, faults_big, push_p50_us["tcp"][4u << 10],
       push_p50_us["shm"][4u << 10], median(ops4k["tcp"]), median(ops4k["shm"]),
       ratio(median(tiny_s["tcp unbatched"]), median(tiny_s["tcp batched"])),
       ratio(median(tiny_s["shm unbatched"]), median(tiny_s["shm batched"])));
