@@ -23,6 +23,16 @@
 // closes the connection, so such a failure can come up to about
 // heartbeat_timeout after request_timeout.
 //
+// Known limit (shm): a large message over shm is read by the server straight
+// from the worker's pool, through the server's own mapping of it. When the
+// connection closes because the server stopped answering (a paused or hung
+// process, not a dead one), the worker takes its pool blocks back and
+// finishes the operation, but it cannot take the server's mapping away: a
+// server that later resumes while still holding such a push can read the
+// block after it has changed (the caller's new values, or whatever the pool
+// block holds next). Restart a server that was paused for longer than
+// heartbeat_timeout (it restores its newest checkpoint) instead of resuming it.
+//
 // Boost.Asio: async_wait(executor, token) completes with signature
 // void(ember::Result<std::uint64_t>) on `executor` — a callback, a
 // use_future, use_awaitable, or any other completion token.
