@@ -77,6 +77,24 @@ void Shard::post(ShardItem&& item) {
   ring_->wake();
 }
 
+bool Shard::try_handle_inline(ShardItem& item) {
+  // Queued items come first: they are older (this producer's own, or
+  // another's that arrived earlier).
+  auto idle = [this] {
+    // acquire pairs with post()'s release of the overflow count.
+    return overflow_count_.load(std::memory_order_acquire) == 0 && ring_->empty_approx();
+  };
+  if (!idle()) return false;
+  std::unique_lock lock(consumer_mutex_, std::try_to_lock);
+  // Re-checked under the lock: the shard thread takes items only under it,
+  // so an empty ring now means every item this caller posted before was
+  // handled to the end.
+  if (!lock.owns_lock() || !idle()) return false;
+  handle(item);
+  publish_stats();
+  return true;
+}
+
 std::size_t Shard::drain_overflow() {
   if (overflow_count_.load(std::memory_order_acquire) == 0) return 0;
   // Everything a producer put in the ring before it overflowed comes first.
@@ -128,18 +146,24 @@ void Shard::run() {
       timeout = std::max<std::chrono::nanoseconds>(std::chrono::nanoseconds(0),
                                                     std::min(timeout, *deadline - now));
     }
-    std::size_t n = overflow_count_.load(std::memory_order_acquire) != 0
-                        ? ring_->consume(handle_item, 64)
-                        : ring_->consume_wait(handle_item, 64, timeout);
-    n += drain_overflow();
-    if (deadline && Clock::now() >= *deadline) {
-      core_.on_tick(Clock::now(), *hooks_.sink);
-      if (barrier_) barrier_->on_tick(Clock::now(), *hooks_.sink);
+    // Wait for items without taking them, then take them under the
+    // consumer lock (try_handle_inline may hold it meanwhile).
+    if (overflow_count_.load(std::memory_order_acquire) == 0) (void)ring_->wait_for_items(timeout);
+    std::size_t n = 0;
+    {
+      std::lock_guard lock(consumer_mutex_);
+      n = ring_->consume(handle_item, 64);
+      n += drain_overflow();
+      if (deadline && Clock::now() >= *deadline) {
+        core_.on_tick(Clock::now(), *hooks_.sink);
+        if (barrier_) barrier_->on_tick(Clock::now(), *hooks_.sink);
+      }
+      if (n != 0) publish_stats();
     }
-    if (n != 0) publish_stats();
     if (hooks_.after_batch) hooks_.after_batch();
     if (n == 0 && stopping_.load(std::memory_order_acquire)) {
       // Drain: everything queued before stop() is handled before exiting.
+      std::lock_guard lock(consumer_mutex_);
       while (ring_->consume(handle_item, 1024) != 0 || drain_overflow() != 0) {
       }
       publish_stats();
@@ -209,6 +233,11 @@ void Shard::handle(ShardItem& item) {
       break;
     case ShardItem::Kind::kSendRaw:
       if (hooks_.send_raw) hooks_.send_raw(item.request.to, item.raw);
+      break;
+    case ShardItem::Kind::kSendReply:
+      sink.reply(item.request.to, item.request.header,
+                 std::span<const float>(reinterpret_cast<const float*>(item.raw.data()),
+                                        item.raw.size() / sizeof(float)));
       break;
     case ShardItem::Kind::kSnapshot: {
       auto entries = core_.snapshot();

@@ -61,6 +61,8 @@ struct ShardItem {
     kSetLearningRate, // value, countdown
     kSnapshot,        // collector
     kSendRaw,         // raw (an encoded message) to request.to, through hooks.send_raw
+    kSendReply,       // request.header with raw as its float32 data to request.to,
+                      // through hooks.sink->reply (a large reply made on an I/O thread)
   };
   Kind kind = Kind::kRequest;
   std::uint32_t rank = 0;
@@ -140,6 +142,18 @@ class Shard {
   // drain a reply queue.) Any thread.
   void post(ShardItem&& item);
 
+  // Handles `item` on the calling thread, in place of the shard thread, when
+  // that keeps every producer's order and costs the shard thread nothing:
+  // only if nothing is queued (ring and overflow list empty) and the shard
+  // thread is not handling an item (the consumer lock is free; try-lock, so
+  // this never waits). Returns true if it handled the item; false leaves
+  // `item` untouched, for post(). The server's I/O threads use it for small
+  // requests: the hand-off to the shard thread and its wake-up were most of a
+  // 4 KiB round trip (server.cc, dispatch). The caller must not be able to
+  // block on the shard thread while it handles (replies it sends must not
+  // wait; an I/O thread's sends fail instead of waiting). Any thread.
+  [[nodiscard]] bool try_handle_inline(ShardItem& item);
+
   // Asks the thread to finish: it handles every item already queued, then
   // exits. join() waits for that. After join() the core may be read from
   // the joining thread (snapshot for the final checkpoint).
@@ -180,6 +194,11 @@ class Shard {
   ShardCore core_;
   std::optional<BarrierCore> barrier_;
   std::unique_ptr<ring::BlockingMpscRing<ShardItem>> ring_;
+  // The consumer lock: held while items are taken from the ring and the
+  // overflow list and handled, by the shard thread or by try_handle_inline.
+  // The core, the barrier and the ring's consumer side are touched only
+  // under it.
+  std::mutex consumer_mutex_;
   std::mutex overflow_mutex_;
   std::deque<ShardItem> overflow_;                 // guarded by overflow_mutex_
   std::atomic<std::size_t> overflow_count_{0};     // > 0: producers append to overflow_

@@ -177,6 +177,15 @@ class BlockingMpscRing {
     return consume(fn, max);
   }
 
+  // Waits (spin, yield, sleep) up to `timeout` until the ring has items,
+  // without consuming them: for a consumer that takes them under its own
+  // lock (server::Shard, whose items another thread may handle in its
+  // place). Returns false when the timeout passed, or wake() was called,
+  // with the ring empty.
+  bool wait_for_items(std::chrono::nanoseconds timeout) {
+    return parker_->wait([this] { return !ring_->empty_approx(); }, timeout);
+  }
+
   std::size_t pop_batch_wait(T* out, std::size_t max, std::chrono::nanoseconds timeout) {
     std::size_t i = 0;
     return consume_wait([&](T& item) { out[i++] = std::move(item); }, max, timeout);

@@ -140,6 +140,51 @@ TEST_P(ServerOverTransport, LargeChunkedTensorRoundTrips) {
   EXPECT_NE(text.find("\nember_server_lent_copies "), std::string::npos) << text;
 }
 
+// Small requests over shm are handled on the server's I/O thread when their
+// shard is idle (serial requests: nearly always); over tcp never. Either way
+// the parameters are the same.
+TEST_P(ServerOverTransport, SmallRequestsAreHandledInlineOnlyOverShm) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.num_workers = 1;
+  spec.learning_rate = 0.25;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto workers = make_workers(spec, {server.address()});
+  ASSERT_TRUE(workers[0]);
+  Worker& w = *workers[0];
+  const std::uint64_t n = 1024;  // 4 KiB
+  const std::uint64_t shape[] = {n};
+  std::vector<float> init(n, 1.0f), grad(n), out(n);
+  for (std::uint64_t i = 0; i < n; ++i) grad[i] = static_cast<float>(i % 8);
+  ASSERT_TRUE(w.init(3, shape, init).wait());
+  const int steps = 40;
+  for (int t = 0; t < steps; ++t) {
+    auto p = w.push(3, grad).wait();
+    ASSERT_TRUE(p) << p.error().to_string();
+    auto q = w.pull(3, out).wait();
+    ASSERT_TRUE(q) << q.error().to_string();
+    EXPECT_EQ(*q, static_cast<std::uint64_t>(t + 1));
+  }
+  for (std::uint64_t i = 0; i < n; ++i) {
+    float expect = 1.0f;
+    for (int t = 0; t < steps; ++t) expect -= 0.25f * static_cast<float>(i % 8);
+    ASSERT_EQ(out[i], expect) << i;
+  }
+  const std::string text = http_get(server.metrics_address(), "/metrics");
+  const std::string key = "\nember_server_requests_inline_total ";
+  const auto at = text.find(key);
+  ASSERT_NE(at, std::string::npos) << text;
+  const long inline_requests = std::stol(text.substr(at + key.size()));
+  if (std::string(GetParam()) == "shm") {
+    EXPECT_GT(inline_requests, 0) << text;
+    EXPECT_LE(inline_requests, 2 * steps) << text;
+  } else {
+    EXPECT_EQ(inline_requests, 0) << text;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, ServerOverTransport, ::testing::Values("tcp", "shm"),
                          [](const ::testing::TestParamInfo<const char*>& param_info) {
                            return std::string(param_info.param);

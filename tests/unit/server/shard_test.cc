@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -90,6 +91,140 @@ TEST(Shard, StopHandlesEverythingQueuedFirst) {
   (*shard)->join();
   EXPECT_EQ(sink.steps.size(), 51u);
   EXPECT_EQ((*shard)->core().stats().pushes_applied, 50u);
+}
+
+// try_handle_inline, retried while the shard thread still holds its lock
+// after its last reply (a moment); false only after 10 s.
+bool handle_inline_once_free(Shard& shard, ShardItem& item) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!shard.try_handle_inline(item)) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+// try_handle_inline handles an item on the calling thread only when nothing
+// is queued; otherwise it leaves the item untouched for post().
+TEST(Shard, HandlesInlineOnlyWhenNothingIsQueued) {
+  CollectingSink sink;
+  ShardOptions o;
+  o.core.consistency = proto::Consistency::kAsp;
+  config::OptimizerConfig oc;
+  auto shard = Shard::create(o, *Optimizer::create(oc), ShardHooks{&sink, {}, {}, {}, {}});
+  ASSERT_TRUE(shard);
+  (*shard)->post(request(proto::MsgType::kInit, 0, {1, 2}));  // queued: the thread is not started
+  ShardItem push = request(proto::MsgType::kPush, 0, {0.5f, 0.5f});
+  EXPECT_FALSE((*shard)->try_handle_inline(push));
+  EXPECT_EQ(push.payload.size(), 2u);  // untouched
+  EXPECT_TRUE(sink.steps.empty());
+  (*shard)->start();
+  ASSERT_TRUE(sink.wait_for_count(1));
+  // Idle now: handled here, before the call returns.
+  ASSERT_TRUE(handle_inline_once_free(**shard, push));
+  {
+    std::lock_guard lock(sink.mutex);
+    ASSERT_EQ(sink.steps.size(), 2u);
+    EXPECT_EQ(sink.steps[1], 0u);
+  }
+  (*shard)->stop();
+  (*shard)->join();
+  EXPECT_TRUE(sink.errors.empty()) << sink.errors.front();
+  EXPECT_EQ((*shard)->core().stats().pushes_applied, 1u);
+}
+
+// While the shard thread handles an item, try_handle_inline does not wait
+// for it: it refuses at once.
+TEST(Shard, RefusesInlineWhileTheShardThreadHandles) {
+  CollectingSink sink;
+  std::mutex gate_mutex;
+  std::condition_variable gate_cv;
+  bool inside = false, release = false;
+  ShardHooks hooks{&sink, {}, {}, {}, {}};
+  hooks.on_handled = [&](proto::MsgType type, std::chrono::nanoseconds) {
+    if (type != proto::MsgType::kInit) return;
+    std::unique_lock lock(gate_mutex);
+    inside = true;
+    gate_cv.notify_all();
+    gate_cv.wait(lock, [&] { return release; });
+  };
+  ShardOptions o;
+  o.core.consistency = proto::Consistency::kAsp;
+  config::OptimizerConfig oc;
+  auto shard = Shard::create(o, *Optimizer::create(oc), std::move(hooks));
+  ASSERT_TRUE(shard);
+  (*shard)->start();
+  (*shard)->post(request(proto::MsgType::kInit, 0, {1, 2}));
+  {
+    std::unique_lock lock(gate_mutex);
+    ASSERT_TRUE(gate_cv.wait_for(lock, 10s, [&] { return inside; }));
+  }
+  // The ring is empty (the init was taken) but the shard thread is inside it.
+  ShardItem push = request(proto::MsgType::kPush, 0, {0.5f, 0.5f});
+  EXPECT_FALSE((*shard)->try_handle_inline(push));
+  {
+    std::lock_guard lock(gate_mutex);
+    release = true;
+  }
+  gate_cv.notify_all();
+  ASSERT_TRUE(sink.wait_for_count(1));
+  (*shard)->post(std::move(push));
+  ASSERT_TRUE(sink.wait_for_count(2));
+  (*shard)->stop();
+  (*shard)->join();
+  EXPECT_TRUE(sink.errors.empty()) << sink.errors.front();
+  EXPECT_EQ(sink.steps, (std::vector<std::uint64_t>{~std::uint64_t{0}, 0}));
+}
+
+// One producer that handles inline when it can and posts otherwise (as an
+// I/O thread does), with a tiny lane so items also overflow: every push is
+// handled once, in the producer's order. Every 100th push first lets the
+// shard catch up, so the inline path surely runs too.
+TEST(Shard, InlineAndQueuedItemsOfOneProducerStayInOrder) {
+  CollectingSink sink;
+  ShardOptions o;
+  o.core.consistency = proto::Consistency::kAsp;
+  o.ring_slots = 2;
+  o.busy_poll = 50us;
+  config::OptimizerConfig oc;
+  auto shard = Shard::create(o, *Optimizer::create(oc), ShardHooks{&sink, {}, {}, {}, {}});
+  ASSERT_TRUE(shard);
+  (*shard)->post(request(proto::MsgType::kInit, 0, {1, 2}));
+  const int pushes = 3000;
+  int inline_count = 0, posted = 0;
+  {
+    // Not started, the init queued: refused, so posted.
+    ShardItem first = request(proto::MsgType::kPush, 0, {0, 0});
+    ASSERT_FALSE((*shard)->try_handle_inline(first));
+    (*shard)->post(std::move(first));
+    ++posted;
+  }
+  (*shard)->start();
+  for (int t = 1; t < pushes; ++t) {
+    ShardItem push = request(proto::MsgType::kPush, t, {0, 0});
+    if (t % 100 == 0) {
+      ASSERT_TRUE(sink.wait_for_count(t + 1));  // the init and pushes 0 .. t-1
+      ASSERT_TRUE(handle_inline_once_free(**shard, push));
+      ++inline_count;
+      continue;
+    }
+    if ((*shard)->try_handle_inline(push)) {
+      ++inline_count;
+    } else {
+      (*shard)->post(std::move(push));
+      ++posted;
+    }
+  }
+  ASSERT_TRUE(sink.wait_for_count(pushes + 1));
+  (*shard)->stop();
+  (*shard)->join();
+  EXPECT_TRUE(sink.errors.empty()) << sink.errors.front();
+  ASSERT_EQ(sink.steps.size(), pushes + 1u);
+  EXPECT_EQ(sink.steps[0], ~std::uint64_t{0});
+  for (int t = 0; t < pushes; ++t) ASSERT_EQ(sink.steps[t + 1], static_cast<std::uint64_t>(t)) << t;
+  EXPECT_EQ((*shard)->core().stats().pushes_applied, static_cast<std::uint64_t>(pushes));
+  EXPECT_GE(inline_count, pushes / 100 - 1);
+  EXPECT_GE(posted, 1);
 }
 
 TEST(ShardOf, DealsATensorsChunksRoundRobinOverTheShards) {
