@@ -412,15 +412,26 @@ struct LossScenario {
 // to: the push timed out while the rest of the gradient was still queued,
 // and the server applied half old, half new values, which only the payload
 // checksum had caught.)
+// Largest value of a "min default max" sysctl file such as
+// /proc/sys/net/ipv4/tcp_rmem (bytes); 0 when unreadable.
+std::uint64_t sysctl_max(const char* path) {
+  std::FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return 0;
+  unsigned long long lo = 0, def = 0, hi = 0;
+  const int n = std::fscanf(f, "%llu %llu %llu", &lo, &def, &hi);
+  std::fclose(f);
+  return n == 3 ? hi : 0;
+}
+
 TEST(ServerStall, ATimedOutPushIsDoneOnlyOnceItsGradientIsNoLongerRead) {
   TempDir dir;
   ClusterSpec spec;
   spec.consistency = "asp";
   spec.learning_rate = 1.0;
   // request_timeout well before the worker's heartbeat_timeout, and long
-  // enough for the 32 MiB init on a slow (sanitizer) build.
+  // enough for the init (32 MiB or more) on a slow (sanitizer) build.
   spec.request_timeout = "3s";
-  spec.partition_bytes = "64MB";
+  spec.partition_bytes = "1GB";
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
   config::Config c = worker_config(spec, {server.address()}, 0);
@@ -428,12 +439,19 @@ TEST(ServerStall, ATimedOutPushIsDoneOnlyOnceItsGradientIsNoLongerRead) {
   ASSERT_TRUE(config::set_value(c, "communication.heartbeat_timeout", "6s"));
   auto w = Worker::create(c);
   ASSERT_TRUE(w) << w.error().to_string();
-  constexpr std::uint64_t kFloats = std::uint64_t{8} << 20;  // 32 MiB: more than loopback buffers hold
-  const std::uint64_t shape[] = {kFloats};
-  ASSERT_TRUE((*w)->init(7, shape, std::vector<float>(kFloats, 0.0f)).wait());
+  // More than the loopback buffers can hold, so part of the gradient is
+  // still queued when the server stops reading: the stopped server's
+  // receive buffer autotunes up to tcp_rmem's maximum (32 MiB on some
+  // hosts) and the worker's send buffer up to tcp_wmem's.
+  const std::uint64_t buffers =
+      sysctl_max("/proc/sys/net/ipv4/tcp_rmem") + sysctl_max("/proc/sys/net/ipv4/tcp_wmem");
+  const std::uint64_t num_floats =
+      std::max<std::uint64_t>(std::uint64_t{8} << 20, (buffers + (std::uint64_t{16} << 20)) / 4);
+  const std::uint64_t shape[] = {num_floats};
+  ASSERT_TRUE((*w)->init(7, shape, std::vector<float>(num_floats, 0.0f)).wait());
 
   server.process().signal(SIGSTOP);
-  std::vector<float> gradient(kFloats, 1.0f);  // heap memory: sent without a copy over tcp
+  std::vector<float> gradient(num_floats, 1.0f);  // heap memory: sent without a copy over tcp
   const auto t0 = std::chrono::steady_clock::now();
   auto pushed = (*w)->push(7, gradient).wait();
   const auto waited = std::chrono::steady_clock::now() - t0;
@@ -445,13 +463,13 @@ TEST(ServerStall, ATimedOutPushIsDoneOnlyOnceItsGradientIsNoLongerRead) {
   std::fill(gradient.begin(), gradient.end(), 1000.0f);  // the caller's memory again
   server.process().signal(SIGCONT);
 
-  std::vector<float> params(kFloats, -5.0f);
+  std::vector<float> params(num_floats, -5.0f);
   auto pulled = (*w)->pull(7, params).wait();
   ASSERT_TRUE(pulled) << pulled.error().to_string();
   // Not applied (0), or applied whole with the bytes of the push (-1).
   const auto zeros = std::count(params.begin(), params.end(), 0.0f);
   const auto ones = std::count(params.begin(), params.end(), -1.0f);
-  EXPECT_TRUE(zeros == static_cast<std::ptrdiff_t>(kFloats) || ones == static_cast<std::ptrdiff_t>(kFloats))
+  EXPECT_TRUE(zeros == static_cast<std::ptrdiff_t>(num_floats) || ones == static_cast<std::ptrdiff_t>(num_floats))
       << zeros << " zeros, " << ones << " x -1, "
       << std::count(params.begin(), params.end(), -1000.0f) << " x -1000 (bytes written after done)";
 }
