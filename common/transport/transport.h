@@ -279,6 +279,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // sending it now. Never blocks; thread-safe. Errors: kInvalidArgument,
   // kClosed.
   virtual Status flush(std::uint32_t channel) = 0;
+  // Hint that a burst of sends on `channel` follows: the transport may hold
+  // them back until flush(channel) or flush_all() and then write them
+  // together (tcp gathers up to 64 buffers per system call; it also writes
+  // once a held queue reaches that size). shm and rdma publish each message
+  // as it is sent and ignore it. Thread-safe; never blocks; no error.
+  virtual void cork(std::uint32_t channel) { (void)channel; }
   virtual Status flush_all() = 0;
 
   // Orderly close: sends what is queued (bounded by `drain`), tells the peer,

@@ -62,6 +62,9 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::nanoseconds;
 
 constexpr std::size_t kMaxIov = 64;
+// Queue entries (a large message is 2-3 buffers) after which a corked
+// channel writes anyway: about what one gathered write takes.
+constexpr std::size_t kCorkedEntries = kMaxIov / 2;
 // Reads per readiness event before yielding to other handlers on the thread.
 constexpr int kReadsPerEvent = 16;
 constexpr std::size_t kReceiveBufferBytes = std::size_t{256} << 10;
@@ -163,6 +166,7 @@ class Channel {
   Status send_small(std::span<const std::byte> bytes, bool control);
   Status send_large(Buffer&& payload, SendCompletion&& done);
   Status flush();
+  void cork();
   // I/O thread: queue a goodbye and shut down the write side once it is out.
   void begin_goodbye();
   // Under mu_: appends one item to the open batch (opening one, or closing a
@@ -184,6 +188,9 @@ class Channel {
   // call write_loop().
   bool claim_writer_locked() {
     if (writer_active_ || queue_.empty() || tx_closed_) return false;
+    // Corked: hold the queue until flush(), or until it gathers as many
+    // buffers as one write takes.
+    if (corked_ && queue_.size() < kCorkedEntries) return false;
     writer_active_ = true;
     return true;
   }
@@ -223,6 +230,7 @@ class Channel {
   std::vector<std::unique_ptr<std::byte, FreeDeleter>> batch_storage_;
   std::vector<std::byte*> free_batches_;
   bool writer_active_ = false;
+  bool corked_ = false;  // under mu_: sends queue without writing until flush()
   bool in_syscall_ = false;
   bool flush_timer_armed_ = false;
   bool goodbye_queued_ = false;
@@ -353,6 +361,9 @@ class TcpConnection final : public ConnectionCore {
     EMBER_TRY(check_channel(channel));
     if (is_closed()) return closed_error();
     return channels_[channel]->flush();
+  }
+  void cork(std::uint32_t channel) override {
+    if (channel < channels_.size()) channels_[channel]->cork();
   }
   Status flush_all() override {
     if (is_closed()) return closed_error();
@@ -565,8 +576,14 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done) {
   return ok_status();
 }
 
+void Channel::cork() {
+  std::lock_guard lock(mu_);
+  corked_ = true;
+}
+
 Status Channel::flush() {
   std::unique_lock lock(mu_);
+  corked_ = false;
   if (tx_closed_) return make_error(ErrorCode::kClosed, "connection is closed");
   close_batch_locked();
   const bool must_write = claim_writer_locked();

@@ -363,5 +363,75 @@ TEST(TcpInlineWrite, ZeroLeavesTheWriteToTheIoThread) {
   }
 }
 
+// Connection::cork (tcp): sends after it only queue, and the flush writes
+// them together in one gathered write; a held queue of 32 entries (what one
+// write takes) is written without waiting for the flush. As above, the
+// client's only I/O thread is held, so writes come from the sending thread.
+TEST(TcpCork, HoldsABurstUntilFlushAndWritesItInOneCall) {
+  Inbox server_in, client_in;
+  Options o = options_for(Mode{"tcp", Kind::kTcp, ZeroCopy::kWritev});
+  o.num_channels = 1;
+  o.num_io_threads = 1;
+  auto server_tx = Transport::create(o);
+  ASSERT_TRUE(server_tx) << server_tx.error().to_string();
+  auto client_tx = Transport::create(o);
+  ASSERT_TRUE(client_tx) << client_tx.error().to_string();
+  auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
+                                       server_in.handlers());
+  ASSERT_TRUE(listener) << listener.error().to_string();
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  client_in.also = [&](Connection&, Incoming&) {
+    entered.set_value();
+    released.wait();
+  };
+  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0},
+                                    client_in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  ASSERT_TRUE(server_in.wait_accepted(1));
+  const std::array<std::byte, 16> hello{};
+  ASSERT_TRUE(server_in.accepted_at(0)->send(0, hello));
+  ASSERT_TRUE(server_in.accepted_at(0)->flush(0));
+  ASSERT_EQ(entered.get_future().wait_for(20s), std::future_status::ready);
+
+  constexpr std::size_t kBytes = 8192;  // large: a frame of its own
+  auto send_one = [&](std::uint64_t seq) {
+    Buffer b = Buffer::heap(kBytes);
+    testing::fill_pattern(b.bytes(), 0, seq);
+    return (*conn)->send(0, std::move(b));
+  };
+  const std::uint64_t start = (*conn)->stats().write_syscalls;
+  (*conn)->cork(0);
+  for (std::uint64_t i = 0; i < 8; ++i) ASSERT_TRUE(send_one(i));
+  EXPECT_EQ((*conn)->stats().write_syscalls, start);  // held
+  ASSERT_TRUE((*conn)->flush(0));
+  const std::uint64_t flushed = (*conn)->stats().write_syscalls;
+  EXPECT_EQ(flushed, start + 1);  // 8 messages, 1 gathered write
+
+  // A long burst is written as it fills, before any flush.
+  (*conn)->cork(0);
+  for (std::uint64_t i = 8; i < 48; ++i) ASSERT_TRUE(send_one(i));
+  EXPECT_GT((*conn)->stats().write_syscalls, flushed);
+  ASSERT_TRUE((*conn)->flush(0));
+  // Uncorked again: a send writes at once.
+  const std::uint64_t before = (*conn)->stats().write_syscalls;
+  ASSERT_TRUE(send_one(48));
+  EXPECT_GT((*conn)->stats().write_syscalls, before);
+
+  release.set_value();
+  ASSERT_TRUE(server_in.wait_count(0, 49));
+  {
+    std::lock_guard lock(server_in.mu);
+    ASSERT_EQ(server_in.sizes[0].size(), 49u);
+    for (std::size_t i = 0; i < 49; ++i) {
+      EXPECT_EQ(server_in.sizes[0][i], kBytes) << i;
+      EXPECT_TRUE(server_in.intact[0][i]) << i;
+    }
+  }
+  (*conn)->close();
+  ASSERT_TRUE(client_in.wait_closed());
+  ASSERT_TRUE(server_in.wait_closed());
+}
+
 }  // namespace
 }  // namespace ember::transport
