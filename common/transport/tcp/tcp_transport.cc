@@ -339,6 +339,7 @@ class TcpConnection final : public ConnectionCore {
       std::memcpy(copy.data(), bytes.data(), bytes.size());
       return send(channel, std::move(copy), {}, wait);
     }
+    uncork_if_full(bytes.size());
     EMBER_TRY(flow().acquire(bytes.size(), wait, !core_->io->on_io_thread()));
     return channels_[channel]->send_small(bytes, /*control=*/false);
   }
@@ -353,8 +354,17 @@ class TcpConnection final : public ConnectionCore {
       if (s && done) done(ok_status());
       return s;
     }
+    uncork_if_full(owned.size());
     EMBER_TRY(flow().acquire(owned.size(), wait, !core_->io->on_io_thread()));
     return channels_[channel]->send_large(std::move(owned), std::move(done));
+  }
+
+  // Before waiting for room under max_queued_bytes: corked channels hold
+  // queued bytes unwritten, and the wait would be for bytes nobody writes
+  // (one thread's burst could even wait on its own). Write them first.
+  void uncork_if_full(std::uint64_t bytes) {
+    if (flow().queued_bytes() + bytes <= flow().max_bytes()) return;
+    for (auto& ch : channels_) (void)ch->flush();
   }
 
   Status flush(std::uint32_t channel) override {

@@ -433,5 +433,47 @@ TEST(TcpCork, HoldsABurstUntilFlushAndWritesItInOneCall) {
   ASSERT_TRUE(server_in.wait_closed());
 }
 
+// A corked burst larger than max_queued_bytes: the held messages are
+// written when the next one needs room, so no send waits for bytes that
+// nobody writes (without that, the fifth send below timed out).
+TEST(TcpCork, ABurstOverTheQueueLimitIsWrittenInsteadOfWaitedFor) {
+  Inbox server_in, client_in;
+  Options o = options_for(Mode{"tcp", Kind::kTcp, ZeroCopy::kWritev});
+  o.num_channels = 2;
+  o.max_message_bytes = 32 << 10;
+  o.max_queued_bytes = 64 << 10;
+  auto server_tx = Transport::create(o);
+  ASSERT_TRUE(server_tx) << server_tx.error().to_string();
+  auto client_tx = Transport::create(o);
+  ASSERT_TRUE(client_tx) << client_tx.error().to_string();
+  auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
+                                       server_in.handlers());
+  ASSERT_TRUE(listener) << listener.error().to_string();
+  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0},
+                                    client_in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  // Both channels corked, as two flushing threads would leave them.
+  (*conn)->cork(0);
+  (*conn)->cork(1);
+  for (std::uint64_t i = 0; i < 12; ++i) {
+    Buffer b = Buffer::heap(16 << 10);
+    testing::fill_pattern(b.bytes(), static_cast<std::uint32_t>(i % 2), i / 2);
+    Status s = (*conn)->send(static_cast<std::uint32_t>(i % 2), std::move(b), {}, 5s);
+    ASSERT_TRUE(s) << "send " << i << ": " << s.error().to_string();
+  }
+  ASSERT_TRUE((*conn)->flush_all());
+  ASSERT_TRUE(server_in.wait_count(0, 6));
+  ASSERT_TRUE(server_in.wait_count(1, 6));
+  {
+    std::lock_guard lock(server_in.mu);
+    for (std::uint32_t c = 0; c < 2; ++c) {
+      for (std::size_t i = 0; i < 6; ++i) EXPECT_TRUE(server_in.intact[c][i]) << c << " " << i;
+    }
+  }
+  (*conn)->close();
+  ASSERT_TRUE(client_in.wait_closed());
+  ASSERT_TRUE(server_in.wait_closed());
+}
+
 }  // namespace
 }  // namespace ember::transport
