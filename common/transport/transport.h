@@ -282,7 +282,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Hint that a burst of sends on `channel` follows: the transport may hold
   // them back until flush(channel) or flush_all() and then write them
   // together (tcp gathers up to 64 buffers per system call; it also writes
-  // once a held queue reaches that size). shm and rdma publish each message
+  // once the held queue reaches 32 messages or 256 KiB, and before a send
+  // would wait for room under max_queued_bytes). shm and rdma publish each message
   // as it is sent and ignore it. Thread-safe; never blocks; no error.
   virtual void cork(std::uint32_t channel) { (void)channel; }
   virtual Status flush_all() = 0;

@@ -65,6 +65,8 @@ constexpr std::size_t kMaxIov = 64;
 // Queue entries (a large message is 2-3 buffers) after which a corked
 // channel writes anyway: about what one gathered write takes.
 constexpr std::size_t kCorkedEntries = kMaxIov / 2;
+// Held frame bytes after which a corked channel writes anyway.
+constexpr std::size_t kCorkedBytes = std::size_t{256} << 10;
 // Reads per readiness event before yielding to other handlers on the thread.
 constexpr int kReadsPerEvent = 16;
 constexpr std::size_t kReceiveBufferBytes = std::size_t{256} << 10;
@@ -189,8 +191,13 @@ class Channel {
   bool claim_writer_locked() {
     if (writer_active_ || queue_.empty() || tx_closed_) return false;
     // Corked: hold the queue until flush(), or until it gathers as many
-    // buffers as one write takes.
-    if (corked_ && queue_.size() < kCorkedEntries) return false;
+    // buffers as one write takes, or enough bytes that holding them gains
+    // nothing (large messages are one write each anyway).
+    if (corked_ && queue_.size() < kCorkedEntries) {
+      std::size_t held = 0;
+      for (const TxEntry& e : queue_) held += e.frame_bytes;
+      if (held < kCorkedBytes) return false;
+    }
     writer_active_ = true;
     return true;
   }

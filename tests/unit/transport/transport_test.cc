@@ -413,18 +413,28 @@ TEST(TcpCork, HoldsABurstUntilFlushAndWritesItInOneCall) {
   for (std::uint64_t i = 8; i < 48; ++i) ASSERT_TRUE(send_one(i));
   EXPECT_GT((*conn)->stats().write_syscalls, flushed);
   ASSERT_TRUE((*conn)->flush(0));
+  // Large messages are not held past 256 KiB: 2 x 200 KiB write before the flush.
+  (*conn)->cork(0);
+  const std::uint64_t large_before = (*conn)->stats().write_syscalls;
+  for (std::uint64_t i = 48; i < 50; ++i) {
+    Buffer b = Buffer::heap(200 << 10);
+    testing::fill_pattern(b.bytes(), 0, i);
+    ASSERT_TRUE((*conn)->send(0, std::move(b)));
+  }
+  EXPECT_GT((*conn)->stats().write_syscalls, large_before);
+  ASSERT_TRUE((*conn)->flush(0));
   // Uncorked again: a send writes at once.
   const std::uint64_t before = (*conn)->stats().write_syscalls;
-  ASSERT_TRUE(send_one(48));
+  ASSERT_TRUE(send_one(50));
   EXPECT_GT((*conn)->stats().write_syscalls, before);
 
   release.set_value();
-  ASSERT_TRUE(server_in.wait_count(0, 49));
+  ASSERT_TRUE(server_in.wait_count(0, 51));
   {
     std::lock_guard lock(server_in.mu);
-    ASSERT_EQ(server_in.sizes[0].size(), 49u);
-    for (std::size_t i = 0; i < 49; ++i) {
-      EXPECT_EQ(server_in.sizes[0][i], kBytes) << i;
+    ASSERT_EQ(server_in.sizes[0].size(), 51u);
+    for (std::size_t i = 0; i < 51; ++i) {
+      EXPECT_EQ(server_in.sizes[0][i], i == 48 || i == 49 ? std::size_t{200} << 10 : kBytes) << i;
       EXPECT_TRUE(server_in.intact[0][i]) << i;
     }
   }
