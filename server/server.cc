@@ -807,18 +807,21 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
       std::memcpy(place.data(), payload.data(), payload.size());
     }
   }
+  // The reply to a placed request: its header alone, flagged kFlagInPlace.
+  std::array<std::byte, proto::kHeaderBytes> in_place_header;
+  if (!place.empty()) {
+    replies_in_place->inc();
+    proto::Header head = h;
+    head.flags |= proto::kFlagInPlace;
+    proto::encode_prefix(head, {}, in_place_header);
+  }
   if (on_io_thread()) {
     // Sent without waiting (send_raw) when it is one small message: the
     // header alone when the data went in place, or a small reply. Large data
     // (a placement that could not be used) goes the usual way, header then
     // data from pool memory, sent by a shard thread, which may wait.
     if (!place.empty()) {
-      replies_in_place->inc();
-      proto::Header head = h;
-      head.flags |= proto::kFlagInPlace;
-      std::array<std::byte, proto::kHeaderBytes> hb;
-      proto::encode_prefix(head, {}, hb);
-      send_raw(to, hb);
+      send_raw(to, in_place_header);
     } else if (total <= small_message_limit) {
       send_raw(to, proto::encode_message(h, {}, payload));
     } else {
@@ -834,12 +837,7 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
   }
   std::lock_guard channel_lock(*c->send_mutex[to.channel]);
   if (!place.empty()) {
-    replies_in_place->inc();
-    proto::Header head = h;
-    head.flags |= proto::kFlagInPlace;
-    std::array<std::byte, proto::kHeaderBytes> hb;
-    proto::encode_prefix(head, {}, hb);
-    s = c->conn->send(to.channel, hb);
+    s = c->conn->send(to.channel, in_place_header);
   } else if (total <= small_message_limit) {
     thread_local std::vector<std::byte> buf;
     buf.resize(total);

@@ -305,142 +305,145 @@ INSTANTIATE_TEST_SUITE_P(All, TransportTest,
                                            Mode{"shm", Kind::kShm, ZeroCopy::kWritev}),
                          [](const auto& p) { return std::string(p.param.name); });
 
-// Options::inline_write_bytes (tcp): by default a thread sending on an idle
-// channel makes the write system call itself, before send() returns; with 0
-// it only queues and the I/O thread writes. The client's only I/O thread is
-// held inside a message handler while the test sends, so a write can only
-// come from the sending thread.
-TEST(TcpInlineWrite, ZeroLeavesTheWriteToTheIoThread) {
-  for (const std::size_t inline_bytes : {std::size_t{8} << 20, std::size_t{0}}) {
-    SCOPED_TRACE(::testing::Message() << "inline_write_bytes " << inline_bytes);
-    Inbox server_in, client_in;
-    Options o = options_for(Mode{"tcp", Kind::kTcp, ZeroCopy::kWritev});
-    o.num_channels = 1;
-    o.num_io_threads = 1;
-    o.inline_write_bytes = inline_bytes;
-    auto server_tx = Transport::create(o);
-    ASSERT_TRUE(server_tx) << server_tx.error().to_string();
-    auto client_tx = Transport::create(o);
-    ASSERT_TRUE(client_tx) << client_tx.error().to_string();
-    auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
-                                         server_in.handlers());
-    ASSERT_TRUE(listener) << listener.error().to_string();
-    std::promise<void> entered, release;
-    std::shared_future<void> released = release.get_future().share();
-    client_in.also = [&](Connection&, Incoming&) {
+// A tcp server and a client connected to it whose only I/O thread is held
+// inside a message handler until release(): a write on the client can then
+// only come from the thread that sends (its inline write), or from a flush.
+struct HeldTcpClient {
+  Inbox server_in, client_in;
+  std::unique_ptr<Transport> server_tx, client_tx;
+  std::unique_ptr<Listener> listener;
+  std::shared_ptr<Connection> conn;
+  std::promise<void> entered, release_promise;
+  std::shared_future<void> released = release_promise.get_future().share();
+  bool is_released = false;
+
+  // Fatal gtest failures when something cannot be set up
+  // (ASSERT_NO_FATAL_FAILURE at the call).
+  void start(Options o) {
+    auto server = Transport::create(o);
+    ASSERT_TRUE(server) << server.error().to_string();
+    server_tx = std::move(*server);
+    auto client = Transport::create(o);
+    ASSERT_TRUE(client) << client.error().to_string();
+    client_tx = std::move(*client);
+    auto l = server_tx->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
+                               server_in.handlers());
+    ASSERT_TRUE(l) << l.error().to_string();
+    listener = std::move(*l);
+    client_in.also = [this](Connection&, Incoming&) {
       entered.set_value();
       released.wait();
     };
-    auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0},
-                                      client_in.handlers());
-    ASSERT_TRUE(conn) << conn.error().to_string();
+    auto c = client_tx->connect(listener->address(), {Role::kWorker, 0}, client_in.handlers());
+    ASSERT_TRUE(c) << c.error().to_string();
+    conn = std::move(*c);
     ASSERT_TRUE(server_in.wait_accepted(1));
     const std::array<std::byte, 16> hello{};
     ASSERT_TRUE(server_in.accepted_at(0)->send(0, hello));
     ASSERT_TRUE(server_in.accepted_at(0)->flush(0));
     ASSERT_EQ(entered.get_future().wait_for(20s), std::future_status::ready);
+  }
+  std::uint64_t writes() const { return conn->stats().write_syscalls; }
+  void release() {
+    if (is_released) return;
+    is_released = true;
+    release_promise.set_value();
+  }
+  void close() {
+    release();
+    conn->close();
+    EXPECT_TRUE(client_in.wait_closed());
+    EXPECT_TRUE(server_in.wait_closed());
+  }
+  ~HeldTcpClient() { release(); }  // the I/O thread must be free to join
+};
 
-    const std::uint64_t before = (*conn)->stats().write_syscalls;
+Options held_client_options() {
+  Options o = options_for(Mode{"tcp", Kind::kTcp, ZeroCopy::kWritev});
+  o.num_channels = 1;
+  o.num_io_threads = 1;
+  return o;
+}
+
+// Options::inline_write_bytes (tcp): by default a thread sending on an idle
+// channel makes the write system call itself, before send() returns; with 0
+// it only queues and the I/O thread writes.
+TEST(TcpInlineWrite, ZeroLeavesTheWriteToTheIoThread) {
+  for (const std::size_t inline_bytes : {std::size_t{8} << 20, std::size_t{0}}) {
+    SCOPED_TRACE(::testing::Message() << "inline_write_bytes " << inline_bytes);
+    Options o = held_client_options();
+    o.inline_write_bytes = inline_bytes;
+    HeldTcpClient t;
+    ASSERT_NO_FATAL_FAILURE(t.start(o));
+    const std::uint64_t before = t.writes();
     Buffer b = Buffer::heap(std::size_t{1} << 20);
     testing::fill_pattern(b.bytes(), 0, 0);
-    ASSERT_TRUE((*conn)->send(0, std::move(b)));
-    const std::uint64_t after = (*conn)->stats().write_syscalls;
+    ASSERT_TRUE(t.conn->send(0, std::move(b)));
+    const std::uint64_t after = t.writes();
     if (inline_bytes == 0) {
       EXPECT_EQ(after, before);
     } else {
       EXPECT_GT(after, before);
     }
-    release.set_value();
-    ASSERT_TRUE(server_in.wait_count(0, 1));
+    t.release();
+    ASSERT_TRUE(t.server_in.wait_count(0, 1));
     {
-      std::lock_guard lock(server_in.mu);
-      EXPECT_EQ(server_in.sizes[0], std::vector<std::size_t>{std::size_t{1} << 20});
-      EXPECT_TRUE(server_in.intact[0][0]);
+      std::lock_guard lock(t.server_in.mu);
+      EXPECT_EQ(t.server_in.sizes[0], std::vector<std::size_t>{std::size_t{1} << 20});
+      EXPECT_TRUE(t.server_in.intact[0][0]);
     }
-    (*conn)->close();
-    ASSERT_TRUE(client_in.wait_closed());
-    ASSERT_TRUE(server_in.wait_closed());
+    t.close();
   }
 }
 
 // Connection::cork (tcp): sends after it only queue, and the flush writes
 // them together in one gathered write; a held queue of 32 entries (what one
-// write takes) is written without waiting for the flush. As above, the
-// client's only I/O thread is held, so writes come from the sending thread.
+// write takes) or 256 KiB is written without waiting for the flush.
 TEST(TcpCork, HoldsABurstUntilFlushAndWritesItInOneCall) {
-  Inbox server_in, client_in;
-  Options o = options_for(Mode{"tcp", Kind::kTcp, ZeroCopy::kWritev});
-  o.num_channels = 1;
-  o.num_io_threads = 1;
-  auto server_tx = Transport::create(o);
-  ASSERT_TRUE(server_tx) << server_tx.error().to_string();
-  auto client_tx = Transport::create(o);
-  ASSERT_TRUE(client_tx) << client_tx.error().to_string();
-  auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
-                                       server_in.handlers());
-  ASSERT_TRUE(listener) << listener.error().to_string();
-  std::promise<void> entered, release;
-  std::shared_future<void> released = release.get_future().share();
-  client_in.also = [&](Connection&, Incoming&) {
-    entered.set_value();
-    released.wait();
-  };
-  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0},
-                                    client_in.handlers());
-  ASSERT_TRUE(conn) << conn.error().to_string();
-  ASSERT_TRUE(server_in.wait_accepted(1));
-  const std::array<std::byte, 16> hello{};
-  ASSERT_TRUE(server_in.accepted_at(0)->send(0, hello));
-  ASSERT_TRUE(server_in.accepted_at(0)->flush(0));
-  ASSERT_EQ(entered.get_future().wait_for(20s), std::future_status::ready);
-
+  HeldTcpClient t;
+  ASSERT_NO_FATAL_FAILURE(t.start(held_client_options()));
+  Connection& conn = *t.conn;
   constexpr std::size_t kBytes = 8192;  // large: a frame of its own
-  auto send_one = [&](std::uint64_t seq) {
-    Buffer b = Buffer::heap(kBytes);
+  auto send_one = [&](std::uint64_t seq, std::size_t bytes) {
+    Buffer b = Buffer::heap(bytes);
     testing::fill_pattern(b.bytes(), 0, seq);
-    return (*conn)->send(0, std::move(b));
+    return conn.send(0, std::move(b));
   };
-  const std::uint64_t start = (*conn)->stats().write_syscalls;
-  (*conn)->cork(0);
-  for (std::uint64_t i = 0; i < 8; ++i) ASSERT_TRUE(send_one(i));
-  EXPECT_EQ((*conn)->stats().write_syscalls, start);  // held
-  ASSERT_TRUE((*conn)->flush(0));
-  const std::uint64_t flushed = (*conn)->stats().write_syscalls;
+  const std::uint64_t start = t.writes();
+  conn.cork(0);
+  for (std::uint64_t i = 0; i < 8; ++i) ASSERT_TRUE(send_one(i, kBytes));
+  EXPECT_EQ(t.writes(), start);  // held
+  ASSERT_TRUE(conn.flush(0));
+  const std::uint64_t flushed = t.writes();
   EXPECT_EQ(flushed, start + 1);  // 8 messages, 1 gathered write
 
   // A long burst is written as it fills, before any flush.
-  (*conn)->cork(0);
-  for (std::uint64_t i = 8; i < 48; ++i) ASSERT_TRUE(send_one(i));
-  EXPECT_GT((*conn)->stats().write_syscalls, flushed);
-  ASSERT_TRUE((*conn)->flush(0));
+  conn.cork(0);
+  for (std::uint64_t i = 8; i < 48; ++i) ASSERT_TRUE(send_one(i, kBytes));
+  EXPECT_GT(t.writes(), flushed);
+  ASSERT_TRUE(conn.flush(0));
   // Large messages are not held past 256 KiB: 2 x 200 KiB write before the flush.
-  (*conn)->cork(0);
-  const std::uint64_t large_before = (*conn)->stats().write_syscalls;
-  for (std::uint64_t i = 48; i < 50; ++i) {
-    Buffer b = Buffer::heap(200 << 10);
-    testing::fill_pattern(b.bytes(), 0, i);
-    ASSERT_TRUE((*conn)->send(0, std::move(b)));
-  }
-  EXPECT_GT((*conn)->stats().write_syscalls, large_before);
-  ASSERT_TRUE((*conn)->flush(0));
+  conn.cork(0);
+  const std::uint64_t large_before = t.writes();
+  for (std::uint64_t i = 48; i < 50; ++i) ASSERT_TRUE(send_one(i, std::size_t{200} << 10));
+  EXPECT_GT(t.writes(), large_before);
+  ASSERT_TRUE(conn.flush(0));
   // Uncorked again: a send writes at once.
-  const std::uint64_t before = (*conn)->stats().write_syscalls;
-  ASSERT_TRUE(send_one(50));
-  EXPECT_GT((*conn)->stats().write_syscalls, before);
+  const std::uint64_t before = t.writes();
+  ASSERT_TRUE(send_one(50, kBytes));
+  EXPECT_GT(t.writes(), before);
 
-  release.set_value();
-  ASSERT_TRUE(server_in.wait_count(0, 51));
+  t.release();
+  ASSERT_TRUE(t.server_in.wait_count(0, 51));
   {
-    std::lock_guard lock(server_in.mu);
-    ASSERT_EQ(server_in.sizes[0].size(), 51u);
+    std::lock_guard lock(t.server_in.mu);
+    ASSERT_EQ(t.server_in.sizes[0].size(), 51u);
     for (std::size_t i = 0; i < 51; ++i) {
-      EXPECT_EQ(server_in.sizes[0][i], i == 48 || i == 49 ? std::size_t{200} << 10 : kBytes) << i;
-      EXPECT_TRUE(server_in.intact[0][i]) << i;
+      EXPECT_EQ(t.server_in.sizes[0][i], i == 48 || i == 49 ? std::size_t{200} << 10 : kBytes) << i;
+      EXPECT_TRUE(t.server_in.intact[0][i]) << i;
     }
   }
-  (*conn)->close();
-  ASSERT_TRUE(client_in.wait_closed());
-  ASSERT_TRUE(server_in.wait_closed());
+  t.close();
 }
 
 // A corked burst larger than max_queued_bytes: the held messages are
