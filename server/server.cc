@@ -11,6 +11,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <thread>
@@ -74,6 +75,13 @@ constexpr std::uint32_t kLoggedErrorsPerConnection = 8;
 constexpr std::size_t kInlineMaxBytes = std::size_t{64} << 10;
 // Ranks with their own step gauge.
 constexpr std::uint32_t kMaxRankGauges = 256;
+
+// On an I/O thread handling a request inline (dispatch): the shard whose
+// item it is. A reply that cannot leave at once is posted to that shard, so
+// a worker that stops reading holds back only the shards that own its keys,
+// as when the shard handles the request itself; otherwise (no inline
+// request) to shard connection_id % shards.
+thread_local std::optional<std::uint32_t> t_inline_shard;
 
 // Channels this (shard or control) thread sent on since its last flush.
 struct Dirty {
@@ -248,6 +256,10 @@ struct Server::Impl final : ReplySink {
   void send_raw(const ReplyTo& to, std::span<const std::byte> bytes);
   // A shard thread never is one, and must not read `transport`: shutdown()
   // destroys it (joining the I/O threads) while the shards still drain.
+  // The shard that sends a reply an I/O thread could not (t_inline_shard).
+  std::uint32_t fallback_shard(const ReplyTo& to) const {
+    return t_inline_shard ? *t_inline_shard : static_cast<std::uint32_t>(to.connection_id % shards.size());
+  }
   bool on_io_thread() const {
     return !Shard::on_shard_thread() && transport && transport->on_io_thread();
   }
@@ -761,7 +773,7 @@ void Server::Impl::send_raw(const ReplyTo& to, std::span<const std::byte> bytes)
     item.kind = ShardItem::Kind::kSendRaw;
     item.request.to = to;
     item.raw.assign(bytes.begin(), bytes.end());
-    shards[to.connection_id % shards.size()]->post(std::move(item));
+    shards[fallback_shard(to)]->post(std::move(item));
     return;
   }
   auto c = find_id(to.connection_id);
@@ -831,7 +843,7 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
       item.request.to.placement.reset();  // tried above
       item.request.header = h;
       item.raw.assign(payload.begin(), payload.end());
-      shards[to.connection_id % shards.size()]->post(std::move(item));
+      shards[fallback_shard(to)]->post(std::move(item));
     }
     return;
   }
@@ -907,11 +919,21 @@ void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::He
   // their updates run in parallel and off the I/O thread.
   const bool small = item.payload.size() * sizeof(float) <= kInlineMaxBytes &&
                      h.num_elements <= kInlineMaxBytes / sizeof(float);
+  // A pull's reply leaves from the I/O thread only when it is written in
+  // place or fits one small message; otherwise the shard would send it
+  // anyway (after a copy), so the shard handles the request.
+  const bool reply_fits = h.type == proto::MsgType::kPush || placement.has_value() ||
+                          proto::prefix_bytes(h) + h.num_elements * sizeof(float) <= small_message_limit;
   const bool data = h.type == proto::MsgType::kPush || h.type == proto::MsgType::kPull ||
                     h.type == proto::MsgType::kPushPull;
-  if (inline_small && small && data && recorder == nullptr && shards[s]->try_handle_inline(item)) {
-    requests_inline->inc();
-    return;
+  if (inline_small && small && reply_fits && data && recorder == nullptr) {
+    t_inline_shard = s;
+    const bool handled = shards[s]->try_handle_inline(item);
+    t_inline_shard.reset();
+    if (handled) {
+      requests_inline->inc();
+      return;
+    }
   }
   shards[s]->post(std::move(item));
 }

@@ -499,7 +499,7 @@ INSTANTIATE_TEST_SUITE_P(Policies, InlineBreakitLoss, ::testing::Values("shrink"
 TEST(InlineBreakitChild, DISABLED_FloodsPullsUntilStopped) {
   const char* path = std::getenv("EMBER_BREAKIT_CHILD");
   if (path == nullptr) {
-    GTEST_SKIP() << "helper process of DISABLED_StoppedWorkerDoesNotStallOtherShards";
+    GTEST_SKIP() << "helper process of StoppedWorkerDoesNotStallOtherShards";
   }
   const std::string keys_text = std::getenv("EMBER_BREAKIT_KEYS");
   std::vector<Key> keys;
@@ -531,13 +531,13 @@ TEST(InlineBreakitChild, DISABLED_FloodsPullsUntilStopped) {
 // Worker 0 uses only keys of shard 0, which owns none of worker 1's keys, so
 // it must still be served at once (heartbeat_timeout is 10 s here, so a stall
 // is plain to see). Before 0a7a2de it was (the blocked shard was shard 1).
-// DISABLED: fails on 0a7a2de. A reply that an I/O thread cannot send at once
-// goes to shard connection_id % num_shards (send_raw's kSendRaw and
-// send_message's kSendReply), here shard 0, whose thread then waits in
-// Connection::send for the stopped worker's ring until heartbeat_timeout
-// closes it; worker 0's requests queue behind it for ~10 s. Enable it with
-// the fix (hand such a reply to the shard that owns the request's key).
-TEST(InlineBreakit, DISABLED_StoppedWorkerDoesNotStallOtherShards) {
+// 0a7a2de broke it: a reply that an I/O thread handling a request inline
+// could not send at once went to shard connection_id % num_shards, here
+// shard 0, whose thread then waited in Connection::send for the stopped
+// worker's ring until heartbeat_timeout closed it; worker 0's requests
+// queued behind it for ~10 s. Such a reply now goes to the shard that owns
+// the request's key (server.cc, t_inline_shard).
+TEST(InlineBreakit, StoppedWorkerDoesNotStallOtherShards) {
   TempDir dir;
   ClusterSpec spec;
   spec.transport = "shm";
