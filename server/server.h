@@ -4,11 +4,17 @@
 // Data path: the transport's I/O threads call on_message; there the message
 // is decoded (proto::decode trusts nothing), checked against the connection's
 // rank, and routed to the shard that owns (key, chunk) through that shard's
-// MPSC ring (I/O threads are the producers). Large tensor payloads are
-// adopted from the transport's receive Buffer without a copy (a page-pool
-// block for tcp). Shards reply through ServerSink: a pull's parameters are
-// copied once into a pool block (the snapshot a reply needs, since the
-// parameters change afterwards) and sent from there.
+// MPSC ring (I/O threads are the producers). Over shm, a push, pull or
+// push_pull of a chunk of at most 64 KiB is handled by the I/O thread itself
+// when its shard is idle (Shard::try_handle_inline: under the shard's
+// consumer lock, so the core still has one owner at a time; metric
+// ember_server_requests_inline_total). Large tensor payloads are adopted
+// from the transport's receive Buffer without a copy (a page-pool block for
+// tcp). Shards reply through ServerSink: a pull's parameters are copied once
+// into the worker's memory (shm, in place; streamed past the cache for a
+// tensor of a quarter of the last-level cache or more) or into a pool block
+// (the snapshot a reply needs, since the parameters change afterwards) and
+// sent from there.
 //
 // Control: join, set_learning_rate and checkpoint requests are handled off
 // the shards' data path. Worker loss: when the last connection of a rank
