@@ -15,40 +15,11 @@
 
 #include "common/placement/placement.h"
 #include "tests/integration/server/harness.h"
+#include "tests/integration/server/workers.h"
 #include "worker/worker.h"
 
 namespace ember::test {
 namespace {
-
-std::vector<std::unique_ptr<Worker>> make_workers(const ClusterSpec& spec,
-                                                  const std::vector<std::string>& servers) {
-  std::vector<std::unique_ptr<Worker>> out(spec.num_workers);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(spec.num_workers);
-  for (std::uint32_t r = 0; r < spec.num_workers; ++r) {
-    threads.emplace_back([&, r] {
-      auto w = Worker::create(worker_config(spec, servers, r));
-      if (w) {
-        out[r] = std::move(*w);
-      } else {
-        errors[r] = w.error().to_string();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (std::uint32_t r = 0; r < spec.num_workers; ++r) {
-    EXPECT_TRUE(out[r]) << "worker " << r << ": " << errors[r];
-  }
-  return out;
-}
-
-// Runs `fn(rank)` on one thread per worker and joins them.
-template <typename Fn>
-void on_all(std::uint32_t n, Fn fn) {
-  std::vector<std::thread> threads;
-  for (std::uint32_t r = 0; r < n; ++r) threads.emplace_back([&, r] { fn(r); });
-  for (auto& t : threads) t.join();
-}
 
 class ServerOverTransport : public ::testing::TestWithParam<const char*> {};
 
@@ -173,10 +144,8 @@ TEST_P(ServerOverTransport, SmallRequestsAreHandledInlineOnlyOverShm) {
     ASSERT_EQ(out[i], expect) << i;
   }
   const std::string text = http_get(server.metrics_address(), "/metrics");
-  const std::string key = "\nember_server_requests_inline_total ";
-  const auto at = text.find(key);
-  ASSERT_NE(at, std::string::npos) << text;
-  const long inline_requests = std::stol(text.substr(at + key.size()));
+  const long inline_requests = metric_value(text, "ember_server_requests_inline_total");
+  ASSERT_GE(inline_requests, 0) << text;
   if (std::string(GetParam()) == "shm") {
     EXPECT_GT(inline_requests, 0) << text;
     EXPECT_LE(inline_requests, 2 * steps) << text;

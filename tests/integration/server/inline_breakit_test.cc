@@ -13,7 +13,7 @@
 //    every acknowledged push;
 //  - kill -9 of a worker under shrink and wait (rejoin);
 //  - a stopped worker must not stall a shard that owns none of its keys
-//    (disabled: fails on 0a7a2de, see the test).
+//    (it did on 0a7a2de, see the test).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -31,6 +31,7 @@
 #include "common/config/config.h"
 #include "server/shard.h"
 #include "tests/integration/server/harness.h"
+#include "tests/integration/server/workers.h"
 #include "worker/worker.h"
 
 namespace ember::test {
@@ -50,47 +51,6 @@ std::vector<std::string> server_args(const std::vector<std::string>& comm) {
     out.push_back(s);
   }
   return out;
-}
-
-std::vector<std::unique_ptr<Worker>> make_workers(const ClusterSpec& spec, const std::string& server,
-                                                  const std::vector<std::string>& comm) {
-  std::vector<std::unique_ptr<Worker>> out(spec.num_workers);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(spec.num_workers);
-  for (std::uint32_t r = 0; r < spec.num_workers; ++r) {
-    threads.emplace_back([&, r] {
-      config::Config cfg = worker_config(spec, {server}, r);
-      if (Status s = config::apply_overrides(cfg, comm); !s) {
-        errors[r] = s.error().to_string();
-        return;
-      }
-      auto w = Worker::create(cfg);
-      if (w) {
-        out[r] = std::move(*w);
-      } else {
-        errors[r] = w.error().to_string();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (std::uint32_t r = 0; r < spec.num_workers; ++r) {
-    EXPECT_TRUE(out[r]) << "worker " << r << ": " << errors[r];
-  }
-  return out;
-}
-
-template <typename Fn>
-void on_all(std::uint32_t n, Fn fn) {
-  std::vector<std::thread> threads;
-  for (std::uint32_t r = 0; r < n; ++r) threads.emplace_back([&, r] { fn(r); });
-  for (auto& t : threads) t.join();
-}
-
-long metric(const std::string& text, const std::string& name) {
-  const std::string key = "\n" + name + " ";
-  const auto at = text.find(key);
-  if (at == std::string::npos) return -1;
-  return std::stol(text.substr(at + key.size()));
 }
 
 void stop_server(ServerProcess& server) {
@@ -126,7 +86,7 @@ TEST(InlineBreakit, BspMixedKeysMatchReferenceBitForBit) {
   spec.learning_rate = 0.5;
   ServerProcess server(dir, spec, 0, server_args(kComm));
   ASSERT_TRUE(server.ok());
-  auto workers = make_workers(spec, server.address(), kComm);
+  auto workers = make_workers(spec, {server.address()}, kComm);
   for (auto& w : workers) ASSERT_TRUE(w);
   std::vector<KeySpec> small;
   const std::uint64_t sizes[] = {1, 7, 256, 1000, 1024, 4096, 16384};
@@ -235,7 +195,7 @@ TEST(InlineBreakit, BspMixedKeysMatchReferenceBitForBit) {
     ASSERT_TRUE(std::equal(expect_large.begin(), expect_large.end(), lout.floats().begin())) << "rank " << r;
   });
   const std::string text = http_get(server.metrics_address(), "/metrics");
-  EXPECT_GT(metric(text, "ember_server_requests_inline_total"), 0) << text;
+  EXPECT_GT(metric_value(text, "ember_server_requests_inline_total"), 0) << text;
   stop_server(server);
 }
 
@@ -257,7 +217,7 @@ TEST_P(InlineBreakitAsync, EveryPushAppliedOnce) {
   spec.learning_rate = 0.5;
   ServerProcess server(dir, spec, 0, server_args(kComm));
   ASSERT_TRUE(server.ok());
-  auto workers = make_workers(spec, server.address(), kComm);
+  auto workers = make_workers(spec, {server.address()}, kComm);
   for (auto& w : workers) ASSERT_TRUE(w);
   const int num_small = 24, rounds = 60;
   const std::uint64_t small_elements = 512, big_elements = 70000;
@@ -303,7 +263,7 @@ TEST_P(InlineBreakitAsync, EveryPushAppliedOnce) {
   ASSERT_TRUE(w.pull(big, big_out).wait());
   for (std::uint64_t i = 0; i < big_elements; ++i) ASSERT_EQ(big_out[i], expect) << i;
   const std::string text = http_get(server.metrics_address(), "/metrics");
-  EXPECT_GT(metric(text, "ember_server_requests_inline_total"), 0) << text;
+  EXPECT_GT(metric_value(text, "ember_server_requests_inline_total"), 0) << text;
   stop_server(server);
 }
 
@@ -331,7 +291,7 @@ TEST(InlineBreakit, SigtermDuringSmallKeyTrafficKeepsEveryAckedPush) {
   auto server = std::make_unique<ServerProcess>(dir, spec, 0, server_args(kComm));
   ASSERT_TRUE(server->ok());
   const std::string address = server->address();
-  auto workers = make_workers(spec, address, comm);
+  auto workers = make_workers(spec, {address}, comm);
   for (auto& w : workers) ASSERT_TRUE(w);
   const int num_keys = 16;
   const std::uint64_t elements = 128;
@@ -384,7 +344,7 @@ TEST(InlineBreakit, SigtermDuringSmallKeyTrafficKeepsEveryAckedPush) {
   workers.clear();
   auto again = restart_server(dir, address, "server0-again.log");
   ASSERT_TRUE(again);
-  auto check = make_workers(spec, address, {});  // restart_server: the config file only (1 I/O thread)
+  auto check = make_workers(spec, {address}, {});  // restart_server: the config file only (1 I/O thread)
   ASSERT_TRUE(check[0]);
   for (Key k = 0; k < num_keys; ++k) {
     ASSERT_TRUE(check[0]->init(k, shape, init).wait());
