@@ -250,10 +250,13 @@ struct Server::Impl final : ReplySink {
   // without a copy. Null: `payload` is valid only during the call.
   void send_message(const ReplyTo& to, const proto::Header& h, std::span<const std::byte> payload,
                     std::shared_ptr<const void> lease = nullptr);
-  // Sends encoded bytes under the channel's send lock; from an I/O thread the
-  // message is handed to a shard thread instead (an I/O thread must not wait
-  // for the lock: the holder may be waiting for that thread to drain).
+  // Sends encoded bytes under the channel's send lock. An I/O thread must not
+  // wait (for the lock, whose holder may be waiting for that thread to drain,
+  // or for room): it sends only when both are there at once, and otherwise
+  // hands the message to a shard thread (fallback_shard).
   void send_raw(const ReplyTo& to, std::span<const std::byte> bytes);
+  // The same, to the connection already looked up.
+  void send_raw_to(ConnState& c, const ReplyTo& to, std::span<const std::byte> bytes);
   // A shard thread never is one, and must not read `transport`: shutdown()
   // destroys it (joining the I/O threads) while the shards still drain.
   // The shard that sends a reply an I/O thread could not (t_inline_shard).
@@ -755,17 +758,22 @@ void Server::Impl::error(const ReplyTo& to, const proto::Header& request, const 
 }
 
 void Server::Impl::send_raw(const ReplyTo& to, std::span<const std::byte> bytes) {
+  auto c = find_id(to.connection_id);
+  if (!c) return;  // the worker went away; nothing to answer
+  send_raw_to(*c, to, bytes);
+}
+
+void Server::Impl::send_raw_to(ConnState& c, const ReplyTo& to, std::span<const std::byte> bytes) {
+  if (to.channel >= c.send_mutex.size()) return;
   if (on_io_thread()) {
     // Sent here when that cannot wait: the channel's lock is free and the
     // transport takes the message at once (on an I/O thread a send that
     // would wait fails instead). Flushed at once: an I/O thread has no
     // after_batch. Otherwise a shard thread sends it.
-    auto c = find_id(to.connection_id);
-    if (!c || to.channel >= c->send_mutex.size()) return;  // the worker went away
     {
-      std::unique_lock channel_lock(*c->send_mutex[to.channel], std::try_to_lock);
-      if (channel_lock.owns_lock() && c->conn->send(to.channel, bytes, std::chrono::nanoseconds(0))) {
-        (void)c->conn->flush(to.channel);
+      std::unique_lock channel_lock(*c.send_mutex[to.channel], std::try_to_lock);
+      if (channel_lock.owns_lock() && c.conn->send(to.channel, bytes, std::chrono::nanoseconds(0))) {
+        (void)c.conn->flush(to.channel);
         return;
       }
     }
@@ -776,13 +784,11 @@ void Server::Impl::send_raw(const ReplyTo& to, std::span<const std::byte> bytes)
     shards[fallback_shard(to)]->post(std::move(item));
     return;
   }
-  auto c = find_id(to.connection_id);
-  if (!c || to.channel >= c->send_mutex.size()) return;
-  std::lock_guard channel_lock(*c->send_mutex[to.channel]);
-  if (Status s = c->conn->send(to.channel, bytes); !s) {
-    log->debug("message to worker {} not sent: {}", c->rank, s.error().to_string());
+  std::lock_guard channel_lock(*c.send_mutex[to.channel]);
+  if (Status s = c.conn->send(to.channel, bytes); !s) {
+    log->debug("message to worker {} not sent: {}", c.rank, s.error().to_string());
   }
-  mark_dirty(c->conn, to.channel);
+  mark_dirty(c.conn, to.channel);
 }
 
 void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
@@ -833,9 +839,9 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     // (a placement that could not be used) goes the usual way, header then
     // data from pool memory, sent by a shard thread, which may wait.
     if (!place.empty()) {
-      send_raw(to, in_place_header);
+      send_raw_to(*c, to, in_place_header);
     } else if (total <= small_message_limit) {
-      send_raw(to, proto::encode_message(h, {}, payload));
+      send_raw_to(*c, to, proto::encode_message(h, {}, payload));
     } else {
       ShardItem item;
       item.kind = ShardItem::Kind::kSendReply;
