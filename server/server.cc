@@ -848,6 +848,11 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
       item.request.to = to;
       item.request.to.placement.reset();  // tried above
       item.request.header = h;
+      // Copy (named): the parameters as of now, since they change after
+      // this call; the shard then copies them once more into pool memory.
+      // Rare: dispatch inlines no pull whose reply needs it, so only a
+      // placement that cannot be used, or another worker's parked pull
+      // answered by an inline push, comes here.
       item.raw.assign(payload.begin(), payload.end());
       shards[fallback_shard(to)]->post(std::move(item));
     }
