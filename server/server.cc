@@ -804,30 +804,29 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
   // straight into the worker's destination, and the reply carries no data.
   // A placement this connection cannot write (not shm, outside the worker's
   // regions) is ignored: the data is sent as usual.
-  std::span<std::byte> place;
+  bool placed = false;
   if (to.placement && h.status == ErrorCode::kOk && !payload.empty() &&
       (h.type == proto::MsgType::kPull || h.type == proto::MsgType::kPushPull)) {
-    if (auto mem = c->conn->peer_memory(to.placement->region_id, to.placement->offset_bytes,
-                                        payload.size())) {
-      place = *mem;
-    } else if (!c->placement_warned.exchange(true, std::memory_order_relaxed)) {
-      log->warn("worker {} ({}): reply placement not usable, sending the data instead: {}",
-                c->rank, c->peer, mem.error().message());
-    }
-  }
-  if (!place.empty()) {
-    // A chunk of a tensor too large to stay in the cache: stream it
+    // A chunk of a tensor too large to stay in the cache is streamed
     // (memory/stream_copy.h); num_chunks x this chunk is the tensor's size
     // within one chunk.
-    if (memory::use_stream_copy(std::size_t{h.num_chunks} * payload.size())) {
-      memory::stream_copy(place.data(), payload.data(), payload.size());
-    } else {
-      std::memcpy(place.data(), payload.data(), payload.size());
+    const auto copy = memory::use_stream_copy(std::size_t{h.num_chunks} * payload.size())
+                          ? transport::Connection::PeerCopy::kStream
+                          : transport::Connection::PeerCopy::kCached;
+    Status w = c->conn->write_peer_memory(to.placement->region_id, to.placement->offset_bytes,
+                                          payload, copy);
+    if (w) {
+      placed = true;
+    } else if (w.error().code() == ErrorCode::kClosed) {
+      return;  // the worker ended the connection; nothing to answer
+    } else if (!c->placement_warned.exchange(true, std::memory_order_relaxed)) {
+      log->warn("worker {} ({}): reply placement not usable, sending the data instead: {}",
+                c->rank, c->peer, w.error().message());
     }
   }
   // The reply to a placed request: its header alone, flagged kFlagInPlace.
   std::array<std::byte, proto::kHeaderBytes> in_place_header;
-  if (!place.empty()) {
+  if (placed) {
     replies_in_place->inc();
     proto::Header head = h;
     head.flags |= proto::kFlagInPlace;
@@ -838,7 +837,7 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     // header alone when the data went in place, or a small reply. Large data
     // (a placement that could not be used) goes the usual way, header then
     // data from pool memory, sent by a shard thread, which may wait.
-    if (!place.empty()) {
+    if (placed) {
       send_raw_to(*c, to, in_place_header);
     } else if (total <= small_message_limit) {
       send_raw_to(*c, to, proto::encode_message(h, {}, payload));
@@ -859,7 +858,7 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     return;
   }
   std::lock_guard channel_lock(*c->send_mutex[to.channel]);
-  if (!place.empty()) {
+  if (placed) {
     s = c->conn->send(to.channel, in_place_header);
   } else if (total <= small_message_limit) {
     thread_local std::vector<std::byte> buf;

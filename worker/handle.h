@@ -23,15 +23,22 @@
 // closes the connection, so such a failure can come up to about
 // heartbeat_timeout after request_timeout.
 //
-// Known limit (shm): a large message over shm is read by the server straight
-// from the worker's pool, through the server's own mapping of it. When the
+// A stalled server (shm): a large message over shm is read by the server
+// straight from the worker's memory, through the server's own mapping of it,
+// and a pull reply may be written straight into its destination. When the
 // connection closes because the server stopped answering (a paused or hung
-// process, not a dead one), the worker takes its pool blocks back and
-// finishes the operation, but it cannot take the server's mapping away: a
-// server that later resumes while still holding such a push can read the
-// block after it has changed (the caller's new values, or whatever the pool
-// block holds next). Restart a server that was paused for longer than
-// heartbeat_timeout (it restores its newest checkpoint) instead of resuming it.
+// process, not a dead one), the server may wake up later with that memory
+// still mapped. So the transport (common/transport/shm/shm_transport.h)
+//  * keeps a pool block lent to it out of the pool until the server gives it
+//    back (it can, after the close), is torn down or exits; and the push's
+//    operation is done only then, or heartbeat_timeout after the close,
+//    whichever comes first (an error is logged in the second case: memory
+//    the caller then reuses may still be read by that process if it wakes);
+//  * refuses the server's writes into the worker's memory from the close on,
+//    and runs on_closed (which fails the pulls) only once no such write is in
+//    progress (up to heartbeat_timeout).
+// Restart a server that stalled for longer than heartbeat_timeout (it
+// restores its newest checkpoint), or kill it, rather than let it resume.
 //
 // Boost.Asio: async_wait(executor, token) completes with signature
 // void(ember::Result<std::uint64_t>) on `executor` — a callback, a

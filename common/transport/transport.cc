@@ -77,13 +77,13 @@ Status Options::validate() const {
   return ok_status();
 }
 
-Result<std::span<std::byte>> Connection::peer_memory(std::uint32_t region_id,
-                                                     std::uint64_t offset_bytes,
-                                                     std::size_t size_bytes) const {
+Status Connection::write_peer_memory(std::uint32_t region_id, std::uint64_t offset_bytes,
+                                     std::span<const std::byte> data, PeerCopy copy) {
+  (void)copy;
   return make_error(ErrorCode::kUnavailable,
                     "peer memory (region {}, offset {}, {} bytes): this transport maps no peer "
                     "memory; only shm does",
-                    region_id, offset_bytes, size_bytes);
+                    region_id, offset_bytes, data.size());
 }
 
 }  // namespace ember::transport

@@ -296,22 +296,31 @@ class Connection : public std::enable_shared_from_this<Connection> {
   virtual bool is_closed() const noexcept = 0;
   virtual ConnectionStats stats() const noexcept = 0;
 
-  // The peer's memory, writable from here: bytes [offset_bytes, +size_bytes)
-  // of the region the peer registered as `region_id` (the id its
-  // register_memory returned). Only the shm transport maps peer memory (every
-  // region the peer registered before it connected or listened); a write
-  // through the span is seen by the peer once a message sent after the write
-  // has arrived (the lane's release/acquire orders them). For one-sided
-  // writes of replies (proto::kFlagInPlace).
-  // The span stays valid as long as this Connection object does (closing it
-  // does not unmap; the pages stay alive after the peer exits).
-  // Thread-safe (the mapping table is fixed at connect); never blocks.
+  // One-sided write into the peer's memory: copies `data` to bytes
+  // [offset_bytes, +data.size()) of the region the peer registered as
+  // `region_id` (the id its register_memory returned). Only the shm transport
+  // maps peer memory (every region the peer registered before it connected
+  // or listened). The peer sees the bytes once a message sent after this call
+  // has arrived (the lane's release/acquire orders them). For replies written
+  // straight into the requester's destination (proto::kFlagInPlace).
+  // `copy`: kCached (memcpy) or kStream (memory::stream_copy: non-temporal
+  // stores, for data larger than the cache).
+  // Safety against a peer that gave up on us: once the peer's side of the
+  // connection ends (it closed, or declared us dead after heartbeat_timeout
+  // while this process was stalled), it revokes the right to write (shm
+  // lane.h: memory_revoked) and this call refuses; a write already in
+  // progress delays the peer's on_closed until it ends (up to its
+  // heartbeat_timeout), so memory the peer reuses after its error is not
+  // written afterwards.
+  // Thread-safe; never blocks (the copy runs on the calling thread).
   // Errors: kUnavailable (tcp, rdma: no peer memory is mapped here);
   // kInvalidArgument (no region `region_id`, or the range lies outside it),
-  // naming the region, offset, size and region length.
-  virtual Result<std::span<std::byte>> peer_memory(std::uint32_t region_id,
-                                                   std::uint64_t offset_bytes,
-                                                   std::size_t size_bytes) const;
+  // naming the region, offset, size and region length; kClosed (this side is
+  // closing or the peer revoked writes; nothing was written).
+  enum class PeerCopy { kCached, kStream };
+  virtual Status write_peer_memory(std::uint32_t region_id, std::uint64_t offset_bytes,
+                                   std::span<const std::byte> data,
+                                   PeerCopy copy = PeerCopy::kCached);
 };
 
 // The server side: accepts connections and handshakes them. A Connection is

@@ -12,7 +12,17 @@
 //                    doorbell after freeing one
 //   [640, 768)       release_head: tokens released (u64, the consumer writes)
 //   [768, 896)       release_tail: tokens reclaimed (u64, the producer writes)
-//   [896, 896 + 8 credits)      release ring: u64 tokens, index = position % credits
+//   [896, 1024)      memory_revoked (u32): set by this lane's producer when its
+//                    connection is over; from then on the consumer must not
+//                    write into the producer's memory (Connection::write_peer_memory)
+//   [1024, 1152)     memory_writers (u32): writes into the producer's memory the
+//                    consumer has in progress (it adds 1, re-checks
+//                    memory_revoked, writes, subtracts 1); only the lane of
+//                    channel 0 carries these two words for the connection
+//   [1152, 1280)     consumer_detached (u32): set by the consumer when it has torn
+//                    its side down: it consumes no more slots, so a large
+//                    message at or past `tail` will never be read
+//   [1280, 1280 + 8 credits)    release ring: u64 tokens, index = position % credits
 //   [align 4096 ...) num_slots slots of slot_bytes each
 // Every position is a 64-bit counter that never wraps in practice; index =
 // position % count (counts are powers of two). Each hot field sits on its own
@@ -35,7 +45,10 @@
 // with release after it is done with them (the producer loads tail with
 // acquire before reusing a slot). The release ring works the same way with
 // roles swapped. The sleeping/waiting flags follow the Dekker protocol of
-// common/ring/parker.h (seq_cst store, seq_cst fence, re-check).
+// common/ring/parker.h (seq_cst store, seq_cst fence, re-check), and so do
+// memory_revoked and memory_writers (seq_cst on both sides): a writer that
+// saw memory_revoked == 0 after its increment is counted by a producer that
+// reads memory_writers after setting memory_revoked.
 //
 // Trust: a lane's peer is a process of the same user (the listener checks
 // SO_PEERCRED), but it may crash at any point or be buggy, so every value
@@ -53,7 +66,7 @@
 namespace ember::transport::shm {
 
 inline constexpr std::uint32_t kLaneMagic = 0x4C424D45u;  // "EMBL"
-inline constexpr std::uint32_t kLaneVersion = 1;
+inline constexpr std::uint32_t kLaneVersion = 2;
 inline constexpr std::size_t kSlotHeaderBytes = 64;
 
 enum class SlotKind : std::uint32_t { kBatch = 1, kLarge = 2, kFragment = 3 };
@@ -95,9 +108,12 @@ struct LaneControl {
   PaddedU32 producer_waiting;
   PaddedU64 release_head;
   PaddedU64 release_tail;
+  PaddedU32 memory_revoked;
+  PaddedU32 memory_writers;
+  PaddedU32 consumer_detached;
   // std::atomic<std::uint64_t> release_ring[credits] follows.
 };
-static_assert(sizeof(LaneControl) == 7 * kFalseSharingBytes);
+static_assert(sizeof(LaneControl) == 10 * kFalseSharingBytes);
 
 // Geometry of a lane; both sides compute it from the config values.
 struct LaneGeometry {

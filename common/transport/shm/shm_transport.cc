@@ -16,6 +16,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -36,6 +37,7 @@
 #include "common/base/logging.h"
 #include "common/base/units.h"
 #include "common/memory/mapped_region.h"
+#include "common/memory/stream_copy.h"
 #include "common/transport/connection_core.h"
 #include "common/transport/flow_control.h"
 #include "common/transport/handshake.h"
@@ -65,6 +67,12 @@ constexpr int kSlotsPerRound = 64;         // slots consumed before yielding the
 constexpr int kSpinPolls = 200;            // polls before sleeping on the doorbell
 constexpr std::uint8_t kControlHeartbeat = 1;
 constexpr std::uint8_t kControlGoodbye = 2;
+// How often a quarantine (below) looks for returned tokens and exited peers
+// (at most; heartbeat_interval when that is shorter).
+constexpr nanoseconds kQuarantinePoll = std::chrono::milliseconds(20);
+// How often a closing connection looks whether the peer's write into our
+// memory, in progress when we revoked it, has finished.
+constexpr nanoseconds kRevokePoll = std::chrono::milliseconds(1);
 
 std::shared_ptr<spdlog::logger> shm_log() {
   static std::shared_ptr<spdlog::logger> l = log::logger("shm");
@@ -222,24 +230,29 @@ class ShmConnection;
 
 // ---------------------------------------------------------------------------
 // Puts tokens on the release ring of the lane we consume (the peer's lane),
-// from any thread, for as long as the channel is open.
+// from any thread, also after the channel closed: the peer quarantines what
+// it lent us until the token comes back (or until we exit), so a view that
+// outlives the connection still gives its payload back when it goes. The
+// sink keeps that lane mapped for as long as a view holds the sink.
 class ReleaseSink {
  public:
-  ReleaseSink(const Lane* rx, LaneControl* wake_flag_lane, int peer_doorbell,
+  ReleaseSink(std::shared_ptr<const Lane> rx, LaneControl* wake_flag_lane, int peer_doorbell,
               std::atomic<std::uint64_t>* syscalls)
-      : rx_(rx), wake_flag_lane_(wake_flag_lane), peer_doorbell_(peer_doorbell), syscalls_(syscalls) {}
+      : rx_(std::move(rx)), wake_flag_lane_(wake_flag_lane), peer_doorbell_(peer_doorbell), syscalls_(syscalls) {}
   void release(std::uint64_t token) {
     std::lock_guard lock(mu_);
-    if (closed_) return;  // the sender reclaimed everything at close
     LaneControl& c = rx_->control();
     const std::uint64_t pos = c.release_head.value.load(std::memory_order_relaxed);
     rx_->release_slot(pos).store(token, std::memory_order_relaxed);
     // Pairs with the producer's acquire load of release_head.
     c.release_head.value.store(pos + 1, std::memory_order_release);
     // The peer's channel thread sleeps with its flag in the lane it consumes
-    // (our outgoing lane).
-    notify_consumer(*wake_flag_lane_, peer_doorbell_, syscalls_);
+    // (our outgoing lane). Once closed, that lane and the doorbell are gone
+    // and the peer's quarantine polls instead.
+    if (!closed_) notify_consumer(*wake_flag_lane_, peer_doorbell_, syscalls_);
   }
+  // The channel is torn down: stop waking the peer (the doorbell fd and our
+  // lane are about to go); tokens are still written.
   void close() {
     std::lock_guard lock(mu_);
     closed_ = true;
@@ -247,7 +260,7 @@ class ReleaseSink {
 
  private:
   std::mutex mu_;
-  const Lane* rx_;
+  std::shared_ptr<const Lane> rx_;
   LaneControl* wake_flag_lane_;
   int peer_doorbell_;
   std::atomic<std::uint64_t>* syscalls_;  // the connection's; used only while open
@@ -273,6 +286,223 @@ struct LentPayload {
 };
 
 // ---------------------------------------------------------------------------
+// The peer's process, for telling "it is gone" from "it is stalled": its pid
+// from SO_PEERCRED on the control socket, held as a pidfd (opened while the
+// peer is certainly alive, at connection setup, so the pid cannot have been
+// reused). Without a pidfd (pid not visible in this pid namespace, or a
+// kernel before 5.3) exited() is always false and a quarantine waits for the
+// peer's tokens alone.
+class PeerProcess {
+ public:
+  explicit PeerProcess(int control_fd) {
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    if (::getsockopt(control_fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0) {
+      pid_ = cred.pid;
+      fd_ = static_cast<int>(::syscall(SYS_pidfd_open, cred.pid, 0));
+    }
+  }
+  ~PeerProcess() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  PeerProcess(const PeerProcess&) = delete;
+  PeerProcess& operator=(const PeerProcess&) = delete;
+  // The process has exited (its mappings of our memory are gone). Never
+  // blocks; thread-safe.
+  bool exited() const {
+    if (fd_ < 0) return false;
+    pollfd p{fd_, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = 0;
+  int fd_ = -1;
+};
+
+// Payloads we lent to a peer (shm large messages: the peer reads them in
+// place) whose connection ended before the peer gave them back. A stalled
+// peer that wakes up still maps our memory and may still read them, so a
+// payload goes back to its owner (the page pool; the caller, for memory it
+// lent us by reference) only when
+//  * the peer puts its token on the release ring (its Incoming Buffer went,
+//    whenever that is: the ReleaseSink outlives the connection), or
+//  * the peer's side is torn down (lane.h: consumer_detached) and it never
+//    consumed the slot, or
+//  * the peer's process exits (pidfd).
+// The send's completion waits for the same, but at most heartbeat_timeout
+// after the close: a caller is never held forever by a stalled peer. Past
+// that the completion runs (logged as an error) while the payload itself
+// stays held. Polled on I/O context 0; thread-safe.
+class Quarantine : public std::enable_shared_from_this<Quarantine> {
+ public:
+  struct Held {
+    Buffer payload;
+    SendCompletion done;         // runs once, at release or at the deadline
+    std::uint64_t slot_position = 0;
+  };
+  struct Entry {
+    std::shared_ptr<Lane> tx;   // our lane: the peer's releases, tail and detach flag
+    std::uint64_t release_tail = 0;
+    std::map<std::uint64_t, Held> held;  // by token
+    std::shared_ptr<PeerProcess> peer;
+    std::string peer_name;
+    Error reason{ErrorCode::kClosed, "connection closed"};  // for a never-consumed payload
+    std::uint64_t consumed = 0;  // slots the peer had consumed at the close
+    Clock::time_point completions_due{};
+  };
+
+  Quarantine(asio::io_context& ctx, nanoseconds poll_every) : ctx_(ctx), poll_every_(poll_every) {}
+  ~Quarantine() {
+    // The transport is gone: nobody polls any more. What is still held goes
+    // back now; say so, since a stalled peer may still read it.
+    std::uint64_t bytes = 0;
+    for (auto& e : entries_) {
+      for (auto& [t, h] : e.held) {
+        bytes += h.payload.size();
+        if (h.done) h.done(tl::unexpected<Error>(e.reason));
+      }
+    }
+    if (bytes > 0) {
+      shm_log()->warn(
+          "shm transport destroyed while {} bytes lent to stalled peers were never given back; "
+          "they return to their owner now, and a peer that wakes up may read reused memory",
+          bytes);
+    }
+  }
+
+  void add(Entry e) {
+    if (e.held.empty()) return;
+    std::uint64_t bytes = 0;
+    for (auto& [t, h] : e.held) bytes += h.payload.size();
+    shm_log()->warn(
+        "{}: {} lent payload(s), {} bytes, held back until that peer gives them back, is torn "
+        "down or exits (a stalled peer may still read them; kill or restart it to free them)",
+        e.peer_name, e.held.size(), bytes);
+    bool arm = false;
+    {
+      std::lock_guard lock(mu_);
+      held_bytes_ += bytes;
+      entries_.push_back(std::move(e));
+      arm = !armed_;
+      armed_ = true;
+    }
+    if (arm) {
+      std::weak_ptr<Quarantine> weak = weak_from_this();
+      asio::post(ctx_, [weak] {
+        if (auto q = weak.lock()) q->arm();
+      });
+    }
+    poll();  // what came back meanwhile goes at once
+  }
+
+  std::uint64_t held_bytes() const {
+    std::lock_guard lock(mu_);
+    return held_bytes_;
+  }
+
+  // Gives back what came back; true while anything is still held.
+  bool poll() {
+    struct Finished {
+      Held held;
+      Status status;
+    };
+    std::vector<Finished> done;  // run outside the lock (completions and deleters are user code)
+    std::vector<std::string> overdue;
+    bool any = false;
+    const auto now = Clock::now();
+    {
+      std::lock_guard lock(mu_);
+      for (auto it = entries_.begin(); it != entries_.end();) {
+        Entry& e = *it;
+        const LaneControl& c = e.tx->control();
+        auto finish = [&](auto h, Status st) {
+          held_bytes_ -= h->second.payload.size();
+          done.push_back(Finished{std::move(h->second), std::move(st)});
+          return e.held.erase(h);
+        };
+        auto status_of = [&](const Held& h) -> Status {
+          if (h.slot_position < e.consumed) return ok_status();
+          return tl::unexpected<Error>(e.reason);
+        };
+        const std::uint64_t head = c.release_head.value.load(std::memory_order_acquire);
+        // A peer that wrote garbage positions gets nothing back early.
+        if (head - e.release_tail <= e.tx->geometry().credits) {
+          for (; e.release_tail != head; ++e.release_tail) {
+            const std::uint64_t token =
+                e.tx->release_slot(e.release_tail).load(std::memory_order_relaxed);
+            if (auto h = e.held.find(token); h != e.held.end()) finish(h, ok_status());
+          }
+        }
+        const bool exited = !e.held.empty() && e.peer && e.peer->exited();
+        const bool detached =
+            !e.held.empty() && c.consumer_detached.value.load(std::memory_order_acquire) != 0;
+        const std::uint64_t peer_tail = c.tail.value.load(std::memory_order_acquire);
+        for (auto h = e.held.begin(); h != e.held.end();) {
+          if (exited) {
+            h = finish(h, status_of(h->second));
+          } else if (detached && h->second.slot_position >= peer_tail) {
+            h = finish(h, tl::unexpected<Error>(e.reason));  // never read, never will be
+          } else {
+            ++h;
+          }
+        }
+        if (!e.held.empty() && now >= e.completions_due) {
+          std::size_t n = 0;
+          for (auto& [t, h] : e.held) {
+            if (!h.done) continue;
+            done.push_back(Finished{Held{Buffer(), std::move(h.done), 0}, status_of(h)});
+            h.done = nullptr;
+            ++n;
+          }
+          if (n > 0) overdue.push_back(fmt::format("{}: {} send(s)", e.peer_name, n));
+        }
+        if (e.held.empty()) {
+          it = entries_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      any = !entries_.empty();
+      if (!any) armed_ = false;
+    }
+    for (const std::string& o : overdue) {
+      shm_log()->error(
+          "{} completed while the stalled peer still holds their payloads (heartbeat_timeout "
+          "passed since the close); the peer may still read that memory if it wakes up: kill or "
+          "restart it",
+          o);
+    }
+    for (Finished& f : done) {
+      f.held.payload.reset();
+      if (f.held.done) f.held.done(std::move(f.status));
+    }
+    return any;
+  }
+
+ private:
+  void arm() {  // I/O context 0's thread only
+    if (!timer_) timer_ = std::make_unique<asio::steady_timer>(ctx_);
+    timer_->expires_after(poll_every_);
+    std::weak_ptr<Quarantine> weak = weak_from_this();
+    timer_->async_wait([weak](const boost::system::error_code& ec) {
+      if (ec) return;
+      auto q = weak.lock();
+      if (q && q->poll()) q->arm();
+    });
+  }
+
+  asio::io_context& ctx_;
+  const nanoseconds poll_every_;
+  mutable std::mutex mu_;
+  std::vector<Entry> entries_;
+  std::uint64_t held_bytes_ = 0;
+  bool armed_ = false;
+  std::unique_ptr<asio::steady_timer> timer_;  // context 0's thread; destroyed after it stopped
+};
+
+// ---------------------------------------------------------------------------
 // The registry counts live channels, control links and acceptors.
 class Core : public TransportRegistry {
  public:
@@ -280,6 +510,8 @@ class Core : public TransportRegistry {
   Options options;
   std::unique_ptr<IoThreads> io;
   std::vector<Transport::Region> regions;
+  // After io: destroyed first, with its timer, once the threads have stopped.
+  std::shared_ptr<Quarantine> quarantine;
 
   // Creates our lanes and doorbells for `num_channels` channels.
   Result<std::vector<LocalChannelResources>> make_local(std::uint32_t num_channels) {
@@ -367,6 +599,7 @@ struct Inflight {
   SendCompletion done;
   std::uint64_t bytes = 0;
   std::uint64_t slot_position = 0;
+  std::uint64_t token = 0;
   bool active = false;
 };
 
@@ -378,14 +611,14 @@ class Channel {
         index_(index),
         ctx_(ctx),
         options_(options),
-        tx_(std::move(local.tx)),
-        rx_(std::move(rx)),
+        tx_(std::make_shared<Lane>(std::move(local.tx))),
+        rx_(std::make_shared<Lane>(std::move(rx))),
         doorbell_fd_(local.doorbell_fd),
         peer_doorbell_fd_(peer_doorbell),
         encoder_(std::move(encoder)),
-        inflight_(tx_.geometry().credits) {
-    for (std::uint32_t t = tx_.geometry().credits; t > 0; --t) free_tokens_.push_back(t - 1);
-    sink_ = std::make_shared<ReleaseSink>(&rx_, &tx_.control(), peer_doorbell_fd_,
+        inflight_(tx_->geometry().credits) {
+    for (std::uint32_t t = tx_->geometry().credits; t > 0; --t) free_tokens_.push_back(t - 1);
+    sink_ = std::make_shared<ReleaseSink>(rx_, &tx_->control(), peer_doorbell_fd_,
                                           syscall_counter());
   }
 
@@ -399,11 +632,15 @@ class Channel {
   void final_drain();  // I/O thread: consume what the peer published before its goodbye
   void teardown(const Error& reason);  // I/O thread
   asio::io_context& context() { return ctx_; }
+  // The lanes, for the connection-wide words of channel 0 (lane.h:
+  // memory_revoked, memory_writers). Before teardown only.
+  const std::shared_ptr<Lane>& tx_lane() const { return tx_; }
+  const std::shared_ptr<Lane>& rx_lane() const { return rx_; }
 
  private:
   bool slot_free_locked() const {
-    return next_head_ - tx_.control().tail.value.load(std::memory_order_acquire) <
-           tx_.geometry().num_slots;
+    return next_head_ - tx_->control().tail.value.load(std::memory_order_acquire) <
+           tx_->geometry().num_slots;
   }
   // Waits (releasing `lock`) until `ready()`; errors when closed or timed out.
   template <typename Ready>
@@ -425,8 +662,11 @@ class Channel {
   const std::uint32_t index_;
   asio::io_context& ctx_;
   const Options& options_;
-  Lane tx_;
-  Lane rx_;
+  // Shared: the ReleaseSink keeps rx_ mapped for as long as an Incoming
+  // Buffer views a lent payload, and a quarantine keeps tx_ mapped until the
+  // peer gives back what we lent (Quarantine below).
+  std::shared_ptr<Lane> tx_;
+  std::shared_ptr<Lane> rx_;
   int doorbell_fd_;       // owned through doorbell_ once start() ran
   int peer_doorbell_fd_;  // owned
   std::unique_ptr<Descriptor> doorbell_;
@@ -465,7 +705,8 @@ class ShmConnection final : public ConnectionCore {
       : ConnectionCore(std::move(peer), std::move(handlers), core->options.max_queued_bytes,
                        core->options.max_message_bytes),
         core_(std::move(core)),
-        control_fd_(control_fd) {}
+        control_fd_(control_fd),
+        peer_process_(std::make_shared<PeerProcess>(control_fd)) {}
 
   Status init(std::vector<LocalChannelResources> local, PeerResources peer) {
     peer_regions_ = std::move(peer.regions);
@@ -484,6 +725,10 @@ class ShmConnection final : public ConnectionCore {
       core_->io_object_added();
     }
     core_->io_object_added();  // the control link
+    // Channel 0's lanes carry the connection's memory_revoked and
+    // memory_writers words; kept mapped while this object lives.
+    own_access_ = channels_[0]->tx_lane();
+    peer_access_ = channels_[0]->rx_lane();
     return ok_status();
   }
 
@@ -565,10 +810,28 @@ class ShmConnection final : public ConnectionCore {
   // A channel's (or the control link's) I/O objects are gone; the last of
   // the channels + 1 parts reports.
   void io_part_finished() {
-    core_->io_object_removed();
-    if (!part_finished(channels_.size() + 1)) return;
-    announce_closed();
+    if (!part_finished(channels_.size() + 1)) {
+      core_->io_object_removed();
+      return;
+    }
+    // The last part: on_closed waits until no write of the peer into our
+    // memory is in progress (one that started before revoke_peer_writes()),
+    // so a caller who reuses a pull's destination after the error cannot
+    // have it overwritten by a peer that stalled mid-copy and woke up.
+    if (!own_access_ || peer_writes_finished()) {
+      release_access();
+      core_->io_object_removed();
+      announce_closed();
+      return;
+    }
+    revoke_deadline_ = Clock::now() + core_->options.heartbeat_timeout;
+    shm_log()->warn("{} {} stalled while writing into this process's memory; on_closed waits up "
+                    "to heartbeat_timeout for that write to end",
+                    role_name(peer().role), peer().rank);
+    auto self = shared();
+    asio::post(*control_ctx_, [self] { self->wait_peer_writes(); });
   }
+  const std::shared_ptr<PeerProcess>& peer_process() const { return peer_process_; }
   // A channel finished its final drain after the peer's goodbye.
   void channel_drained() {
     if (++channels_drained_ == channels_.size()) {
@@ -584,15 +847,34 @@ class ShmConnection final : public ConnectionCore {
     auto it = peer_regions_.find(id);
     return it == peer_regions_.end() ? nullptr : &it->second;
   }
-  Result<std::span<std::byte>> peer_memory(std::uint32_t region_id, std::uint64_t offset_bytes,
-                                           std::size_t size_bytes) const override {
+  Status write_peer_memory(std::uint32_t region_id, std::uint64_t offset_bytes,
+                           std::span<const std::byte> data, PeerCopy copy) override {
     const auto* region = peer_region(region_id);
     if (region == nullptr) {
       return make_error(ErrorCode::kInvalidArgument,
                         "peer memory: the peer registered no region {} ({} regions)", region_id,
                         peer_regions_.size());
     }
-    return (*region)->view(offset_bytes, size_bytes);
+    EMBER_ASSIGN_OR_RETURN(std::span<std::byte> view, (*region)->view(offset_bytes, data.size()));
+    const std::shared_ptr<Lane> lane = std::atomic_load(&peer_access_);
+    if (!lane || failing()) return closed_error();
+    // lane.h: count the write, then look at memory_revoked (both seq_cst);
+    // the peer sets memory_revoked, then waits for the count to drop.
+    auto& writers = lane->control().memory_writers.value;
+    writers.fetch_add(1, std::memory_order_seq_cst);
+    if (lane->control().memory_revoked.value.load(std::memory_order_seq_cst) != 0) {
+      writers.fetch_sub(1, std::memory_order_seq_cst);
+      return make_error(ErrorCode::kClosed,
+                        "{} {} ended this connection; its memory is no longer written",
+                        role_name(peer().role), peer().rank);
+    }
+    if (copy == PeerCopy::kStream) {
+      memory::stream_copy(view.data(), data.data(), data.size());
+    } else {
+      std::memcpy(view.data(), data.data(), data.size());
+    }
+    writers.fetch_sub(1, std::memory_order_seq_cst);
+    return ok_status();
   }
   std::size_t payload_limit() const {
     return core_->options.batch_threshold_bytes / 8 * 8 - wire::kMinFrameBytes;
@@ -603,6 +885,7 @@ class ShmConnection final : public ConnectionCore {
   // Every channel and the control link tear down on their I/O threads
   // (first fail() only).
   void start_teardown() override {
+    revoke_peer_writes();
     auto self = shared();
     for (auto& ch : channels_) {
       Channel* c = ch.get();
@@ -719,6 +1002,7 @@ class ShmConnection final : public ConnectionCore {
     // Done when we said goodbye, heard the peer's, and consumed everything
     // it published before it.
     if (goodbye_sent_ && goodbye_received_ && all_drained_) {
+      revoke_peer_writes();
       auto self = shared();
       for (auto& ch : channels_) {
         Channel* c = ch.get();
@@ -748,6 +1032,46 @@ class ShmConnection final : public ConnectionCore {
     io_part_finished();
   }
 
+  // Closed for good: unmap channel 0's lanes and close the pidfd (a
+  // quarantine holds its own references).
+  void release_access() {
+    std::atomic_store(&peer_access_, std::shared_ptr<Lane>());
+    own_access_.reset();
+    peer_process_.reset();
+  }
+  // Tells the peer to write no more into our memory (lane.h: memory_revoked).
+  void revoke_peer_writes() {
+    if (own_access_) own_access_->control().memory_revoked.value.store(1, std::memory_order_seq_cst);
+  }
+  bool peer_writes_finished() const {
+    return own_access_->control().memory_writers.value.load(std::memory_order_seq_cst) == 0 ||
+           peer_process_->exited();
+  }
+  // On the control link's context, after the last part finished (that part
+  // stays counted as an I/O object until on_closed).
+  void wait_peer_writes() {
+    if (peer_writes_finished() || Clock::now() >= revoke_deadline_) {
+      if (!peer_writes_finished()) {
+        shm_log()->error("{} {} did not finish its write into this process's memory within "
+                         "heartbeat_timeout; the destination of a pull that failed with this "
+                         "connection may still change if that process wakes up",
+                         role_name(peer().role), peer().rank);
+      }
+      revoke_timer_.reset();
+      release_access();
+      core_->io_object_removed();
+      announce_closed();
+      return;
+    }
+    if (!revoke_timer_) revoke_timer_ = std::make_unique<asio::steady_timer>(*control_ctx_);
+    revoke_timer_->expires_after(kRevokePoll);
+    auto self = shared();
+    revoke_timer_->async_wait([self](const boost::system::error_code& ec) {
+      if (ec) return;
+      self->wait_peer_writes();
+    });
+  }
+
   std::shared_ptr<Core> core_;
   std::vector<std::unique_ptr<Channel>> channels_;
   std::map<std::uint32_t, std::shared_ptr<memory::MappedRegion>> peer_regions_;
@@ -768,6 +1092,14 @@ class ShmConnection final : public ConnectionCore {
   std::int64_t last_tx_ns_ = 0;
   bool goodbye_received_ = false;
   bool peer_eof_ = false;
+  std::shared_ptr<PeerProcess> peer_process_;
+  // Both until on_closed. own_access_: our channel-0 lane (we revoke in it);
+  // peer_access_: the peer's (we count our writes in it; atomic_load/store,
+  // write_peer_memory runs on any thread).
+  std::shared_ptr<Lane> own_access_;
+  std::shared_ptr<Lane> peer_access_;
+  Clock::time_point revoke_deadline_{};
+  std::unique_ptr<asio::steady_timer> revoke_timer_;
   bool all_drained_ = false;
   bool control_done_ = false;
 };
@@ -818,7 +1150,7 @@ Status Channel::wait_locked(std::unique_lock<std::mutex>& lock, nanoseconds wait
     }
     // Ask the consumer to ring our doorbell when it frees something; our
     // channel thread then notifies space_cv_.
-    tx_.control().producer_waiting.value.store(1);
+    tx_->control().producer_waiting.value.store(1);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (ready()) break;
     if (space_cv_.wait_until(lock, deadline) == std::cv_status::timeout && !ready()) {
@@ -835,15 +1167,15 @@ Status Channel::wait_locked(std::unique_lock<std::mutex>& lock, nanoseconds wait
 }
 
 void Channel::open_batch_locked() {
-  std::byte* slot = tx_.slot(next_head_);
-  encoder_.begin(std::span<std::byte>(slot + kSlotHeaderBytes, tx_.body_bytes()));
+  std::byte* slot = tx_->slot(next_head_);
+  encoder_.begin(std::span<std::byte>(slot + kSlotHeaderBytes, tx_->body_bytes()));
   open_ = true;
 }
 
 void Channel::publish_slot_locked() {
   // Pairs with the consumer's acquire load of head.
-  tx_.control().head.value.store(++next_head_, std::memory_order_release);
-  notify_consumer(tx_.control(), peer_doorbell_fd_, &conn_->write_syscalls);
+  tx_->control().head.value.store(++next_head_, std::memory_order_release);
+  notify_consumer(tx_->control(), peer_doorbell_fd_, &conn_->write_syscalls);
 }
 
 void Channel::publish_batch_locked() {
@@ -853,7 +1185,7 @@ void Channel::publish_batch_locked() {
     encoder_.abandon();
     return;
   }
-  std::byte* slot = tx_.slot(next_head_);
+  std::byte* slot = tx_->slot(next_head_);
   std::span<std::byte> frame = encoder_.finish();
   SlotHeader h{};
   h.kind = static_cast<std::uint32_t>(SlotKind::kBatch);
@@ -915,7 +1247,7 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
     }
     const std::uint32_t token = free_tokens_.back();
     free_tokens_.pop_back();
-    std::byte* slot = tx_.slot(next_head_);
+    std::byte* slot = tx_->slot(next_head_);
     SlotHeader h{};
     h.kind = static_cast<std::uint32_t>(SlotKind::kLarge);
     h.region_id = payload.location().region_id;
@@ -928,6 +1260,7 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
     f.done = std::move(done);
     f.bytes = size;
     f.slot_position = next_head_;
+    f.token = token;
     f.active = true;
     conn_->messages_sent.fetch_add(1, std::memory_order_relaxed);
     conn_->bytes_sent.fetch_add(size, std::memory_order_relaxed);
@@ -936,13 +1269,13 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
     return ok_status();
   }
   // Fragments: copied through the ring (memory the peer cannot map).
-  const std::size_t per_slot = tx_.body_bytes();
+  const std::size_t per_slot = tx_->body_bytes();
   if (wait.count() <= 0 || conn_->core().io->on_io_thread()) {
     // A caller that cannot wait gets all of the message in or none of it.
     const std::uint64_t needed = (size + per_slot - 1) / per_slot;
     const std::uint64_t free_slots =
-        tx_.geometry().num_slots -
-        (next_head_ - tx_.control().tail.value.load(std::memory_order_acquire));
+        tx_->geometry().num_slots -
+        (next_head_ - tx_->control().tail.value.load(std::memory_order_acquire));
     if (needed > free_slots) {
       return fail_with(Error(
           ErrorCode::kTimeout,
@@ -965,7 +1298,7 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
     }
     if (tx_closed_) return fail_with(Error(ErrorCode::kClosed, "shm connection is closed"));
     const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(per_slot, size - off));
-    std::byte* slot = tx_.slot(next_head_);
+    std::byte* slot = tx_->slot(next_head_);
     SlotHeader h{};
     h.kind = static_cast<std::uint32_t>(SlotKind::kFragment);
     h.frame_bytes = static_cast<std::uint32_t>(n);
@@ -1019,9 +1352,9 @@ void Channel::arm_flush_timer() {
 }
 
 bool Channel::has_work() const {
-  return rx_.control().head.value.load(std::memory_order_acquire) != rx_tail_ ||
-         tx_.control().release_head.value.load(std::memory_order_acquire) !=
-             tx_.control().release_tail.value.load(std::memory_order_relaxed);
+  return rx_->control().head.value.load(std::memory_order_acquire) != rx_tail_ ||
+         tx_->control().release_head.value.load(std::memory_order_acquire) !=
+             tx_->control().release_tail.value.load(std::memory_order_relaxed);
 }
 
 void Channel::run() {
@@ -1054,10 +1387,10 @@ void Channel::run() {
       return;
     }
     // Park: flag, fence, re-check (pairs with notify_consumer's fence).
-    rx_.control().consumer_sleeping.value.store(1);
+    rx_->control().consumer_sleeping.value.store(1);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (has_work()) {
-      rx_.control().consumer_sleeping.value.store(0);
+      rx_->control().consumer_sleeping.value.store(0);
       continue;
     }
     wait_doorbell();
@@ -1073,7 +1406,7 @@ void Channel::wait_doorbell() {
     std::uint64_t count;
     [[maybe_unused]] ssize_t n = ::read(doorbell_fd_, &count, sizeof count);
     conn_->read_syscalls.fetch_add(1, std::memory_order_relaxed);
-    rx_.control().consumer_sleeping.value.store(0);
+    rx_->control().consumer_sleeping.value.store(0);
     {
       // A sender may be waiting for a slot or a token the peer just freed.
       std::lock_guard lock(mu_);
@@ -1089,17 +1422,17 @@ bool Channel::fail_protocol(std::string message) {
 }
 
 bool Channel::poll_releases() {
-  LaneControl& c = tx_.control();
+  LaneControl& c = tx_->control();
   const std::uint64_t head = c.release_head.value.load(std::memory_order_acquire);
   std::uint64_t tail = c.release_tail.value.load(std::memory_order_relaxed);
   if (head == tail) return false;
-  if (head - tail > tx_.geometry().credits) return fail_protocol("release ring overrun");
+  if (head - tail > tx_->geometry().credits) return fail_protocol("release ring overrun");
   std::vector<Inflight> finished;
   std::uint64_t bytes = 0;
   {
     std::lock_guard lock(mu_);
     for (; tail != head; ++tail) {
-      const std::uint64_t token = tx_.release_slot(tail).load(std::memory_order_relaxed);
+      const std::uint64_t token = tx_->release_slot(tail).load(std::memory_order_relaxed);
       if (token >= inflight_.size() || !inflight_[token].active) {
         return fail_protocol(fmt::format("peer released unknown token {}", token));
       }
@@ -1124,19 +1457,19 @@ bool Channel::poll_releases() {
 }
 
 bool Channel::poll_rx() {
-  LaneControl& c = rx_.control();
+  LaneControl& c = rx_->control();
   const std::uint64_t head = c.head.value.load(std::memory_order_acquire);
   if (head == rx_tail_) return false;
-  if (head - rx_tail_ > rx_.geometry().num_slots) {
+  if (head - rx_tail_ > rx_->geometry().num_slots) {
     return fail_protocol(fmt::format("lane head {} is more than a ring ahead of tail {}", head,
                                      rx_tail_));
   }
-  const std::size_t body_bytes = rx_.body_bytes();
+  const std::size_t body_bytes = rx_->body_bytes();
   wire::DecoderOptions dopt;
   dopt.max_frame_bytes = body_bytes;
   int n = 0;
   while (rx_tail_ != head && n < kSlotsPerRound && !conn_->failing()) {
-    const std::byte* slot = rx_.slot(rx_tail_);
+    const std::byte* slot = rx_->slot(rx_tail_);
     SlotHeader h;
     std::memcpy(&h, slot, sizeof h);
     const std::byte* body = slot + kSlotHeaderBytes;
@@ -1172,7 +1505,7 @@ bool Channel::poll_rx() {
         }
         auto view = (*region)->view(h.offset, h.length);
         if (!view) return fail_protocol(view.error().message());
-        if (h.token >= rx_.geometry().credits) return fail_protocol("token out of range");
+        if (h.token >= rx_->geometry().credits) return fail_protocol("token out of range");
         conn_->frames_received.fetch_add(1, std::memory_order_relaxed);
         Incoming m;
         m.channel = index_;
@@ -1237,7 +1570,12 @@ void Channel::teardown(const Error& reason) {
   if (torn_down_) return;
   torn_down_ = true;
   sink_->close();
+  sink_.reset();  // live Incoming Buffers hold it (and the peer's lane) on their own
+  // We consume no more: a large message the peer published past our tail
+  // will never be read (its quarantine gives it back; lane.h).
+  rx_->control().consumer_detached.value.store(1, std::memory_order_release);
   std::vector<Inflight> dropped;
+  Quarantine::Entry held;
   std::uint64_t bytes = 0;
   std::uint64_t consumed;
   {
@@ -1247,8 +1585,10 @@ void Channel::teardown(const Error& reason) {
       encoder_.abandon();
       open_ = false;
     }
-    consumed = tx_.control().tail.value.load(std::memory_order_acquire);
-    for (Inflight& f : inflight_) {
+    consumed = tx_->control().tail.value.load(std::memory_order_acquire);
+    held.release_tail = tx_->control().release_tail.value.load(std::memory_order_relaxed);
+    for (std::size_t token = 0; token < inflight_.size(); ++token) {
+      Inflight& f = inflight_[token];
       if (f.active) {
         bytes += f.bytes;
         dropped.push_back(std::move(f));
@@ -1256,9 +1596,12 @@ void Channel::teardown(const Error& reason) {
       }
     }
     space_cv_.notify_all();
-    // Unmap under the lock: no sender writes into a lane after this.
-    tx_ = Lane();
-    rx_ = Lane();
+    // Unmap under the lock: no sender writes into a lane after this (a
+    // quarantine keeps tx_ mapped to read the peer's late releases, the
+    // ReleaseSink keeps rx_ mapped for Incoming Buffers still alive).
+    held.tx = tx_;
+    tx_.reset();
+    rx_.reset();
   }
   if (flush_timer_) flush_timer_.reset();
   boost::system::error_code ec;
@@ -1273,6 +1616,27 @@ void Channel::teardown(const Error& reason) {
   peer_doorbell_fd_ = -1;
   reassembly_.reset();
   conn_->flow().release(bytes);
+  // Not given back yet: the peer may still read them (a stalled peer wakes
+  // up with our memory mapped), unless its process is gone.
+  const auto& peer = conn_->peer_process();
+  if (!dropped.empty() && !(peer && peer->exited())) {
+    held.peer = peer;
+    held.peer_name = fmt::format("shm channel {} to {} {} (pid {})", index_,
+                                 role_name(conn_->peer().role), conn_->peer().rank,
+                                 peer ? peer->pid() : 0);
+    held.reason = reason;
+    held.consumed = consumed;
+    held.completions_due = Clock::now() + options_.heartbeat_timeout;
+    for (std::size_t i = 0; i < dropped.size(); ++i) {
+      Inflight& f = dropped[i];
+      const std::uint64_t token = f.token;
+      held.held.emplace(token, Quarantine::Held{std::move(f.payload), std::move(f.done),
+                                                f.slot_position});
+    }
+    dropped.clear();
+    conn_->core().quarantine->add(std::move(held));
+  }
+  held.tx.reset();
   for (Inflight& f : dropped) {
     f.payload.reset();
     if (f.done) {
@@ -1688,6 +2052,8 @@ Result<std::unique_ptr<Transport>> create_shm_transport(Options options) {
   EMBER_ASSIGN_OR_RETURN(core->io,
                          IoThreads::start(core->options.num_io_threads, core->options.cpu_affinity,
                                                   core->options.busy_poll));
+  core->quarantine = std::make_shared<Quarantine>(
+      core->io->context(0), std::min<nanoseconds>(core->options.heartbeat_interval, kQuarantinePoll));
   return std::unique_ptr<Transport>(new ShmTransport(std::move(core)));
 }
 

@@ -24,10 +24,12 @@
 //  * a large message from unregistered memory is copied through the ring in
 //    slot-sized fragments and reassembled into a receive-allocator Buffer
 //    (two copies; pass pool Buffers to avoid them).
-// One-sided writes: Connection::peer_memory gives a writable view of any
-// region the peer registered (the mapping above), so a server can write a
-// pull reply's parameters straight into the worker's destination
-// (proto::kFlagInPlace) and send only the header after them.
+// One-sided writes: Connection::write_peer_memory copies into any region the
+// peer registered (the mapping above), so a server can write a pull reply's
+// parameters straight into the worker's destination (proto::kFlagInPlace)
+// and send only the header after them. Each write is counted in the peer's
+// channel-0 lane and refused once the peer revoked writes (lane.h:
+// memory_revoked, set when its side of the connection ends).
 // Wake-ups: a consumer spins briefly, then sets its sleeping flag and waits
 // on its doorbell eventfd (from its io_context); a producer writes the
 // doorbell only when that flag is set.
@@ -42,9 +44,18 @@
 //
 // Peer death: the control socket closes (a crash) or goes silent for
 // heartbeat_timeout (a hang); the Connection then closes with kIo or
-// kTimeout, every lent Buffer is released, the lanes and the peer's regions
-// are unmapped (regions once the last Incoming Buffer that views them is
-// gone) and the descriptors closed.
+// kTimeout, the lanes and the peer's regions are unmapped (regions once the
+// last Incoming Buffer that views them is gone) and the descriptors closed.
+// A peer that only stalled (SIGSTOP, a long page-in) may wake up later with
+// our memory still mapped, so two things wait for it, bounded:
+//  * payloads we lent and it has not given back are quarantined: they go
+//    back to their owner (the page pool) only when the peer puts their
+//    token on the release ring (it still can, after the close) or its
+//    process exits (a pidfd from SO_PEERCRED); a log line says how many
+//    bytes are held. Destroying the Transport gives them back regardless.
+//  * on_closed waits until no write of the peer into our memory is in
+//    progress (write_peer_memory), up to heartbeat_timeout.
+//
 #pragma once
 
 #include <memory>

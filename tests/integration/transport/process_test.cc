@@ -14,7 +14,10 @@
 
 #include <dirent.h>
 
+#include <condition_variable>
 #include <fstream>
+#include <mutex>
+#include <thread>
 #include <string>
 
 #include "common/transport/transport.h"
@@ -221,10 +224,14 @@ TEST(ShmProcess, CrashedPeerIsDetectedAndItsResourcesReleased) {
   ASSERT_TRUE(in.wait_closed());
   EXPECT_EQ(in.closed_reason()->code(), ErrorCode::kIo) << in.closed_reason()->to_string();
   EXPECT_NE(in.closed_reason()->message().find("without goodbye"), std::string::npos);
-  // Released before on_closed ran: the lent Buffers, the lanes, the fds.
-  EXPECT_EQ(mem.live(), 0);
-  EXPECT_EQ(completions.load(), 4);  // every send completed (ok or with the error)
   EXPECT_EQ(conn->stats().queued_bytes, 0u);
+  // The lent Buffers go back once the process is seen gone (its pidfd; it
+  // may close the socket a moment before), and with them the lanes.
+  EXPECT_TRUE(mem.wait_all_released());
+  // (The completions run just after, on the same thread.)
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (completions.load() < 4 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  EXPECT_EQ(completions.load(), 4);  // every send completed (ok or with the error)
   EXPECT_EQ(count_maps("ember-shm-lane"), lanes_before);
   EXPECT_EQ(count_fds(), fds_listening + 1);  // + the read end of the child's stdout pipe
   l->reset();
@@ -251,6 +258,109 @@ TEST(ShmProcess, HungPeerIsDeclaredDeadByHeartbeat) {
       "(heartbeat_timeout): the peer is dead or stalled; see docs/troubleshooting.md#worker-loss"))
       << in.closed_reason()->to_string();
   child.signal(SIGKILL);
+}
+
+// A peer declared dead after heartbeat_timeout may only be stalled, and it
+// still maps our memory: what we lent it must not return to its owner (to be
+// reused, and read by the peer when it wakes up) until it gives it back, and
+// the sends' completions (after which a caller reuses its memory) wait too,
+// up to heartbeat_timeout after the close.
+class StalledPeer {
+ public:
+  explicit StalledPeer(const std::string& behaviour, const char* name) {
+    Options o = server_options(Mode{"shm", Kind::kShm, ZeroCopy::kWritev});
+    o.heartbeat_interval = 50ms;
+    o.heartbeat_timeout = 400ms;
+    auto t = Transport::create(o);
+    EMBER_CHECK(t.has_value());
+    transport = std::move(*t);
+    auto rid = transport->register_memory(mem.region());
+    EMBER_CHECK(rid.has_value());
+    mem.set_region_id(*rid);
+    lanes_before = count_maps("ember-shm-lane");
+    auto l = transport->listen(listen_address(Mode{"shm", Kind::kShm, ZeroCopy::kWritev}, name),
+                               {Role::kServer, 0}, in.acceptor(), in.handlers());
+    EMBER_CHECK(l.has_value());
+    listener = std::move(*l);
+    child = std::make_unique<Child>(std::vector<std::string>{
+        "--mode", "shm", "--connect", listener->address(), "--behaviour", behaviour,
+        "--channels", "2"});
+  }
+  // Lends 4 blocks of 1 MiB, stops the peer and waits for the heartbeat
+  // timeout to close the connection.
+  void lend_then_stall() {
+    ASSERT_TRUE(child->wait_line("READY"));
+    ASSERT_TRUE(in.wait_accepted(1));
+    auto conn = in.accepted_at(0);
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_TRUE(conn->send(0, mem.make(1 << 20), [this](const Status& st) {
+        std::lock_guard lock(mu);
+        ++completions;
+        ok += st.has_value();
+        cv.notify_all();
+      }));
+    }
+    for (int i = 1; i <= 4; ++i) ASSERT_TRUE(child->wait_line("GOT " + std::to_string(i)));
+    child->signal(SIGSTOP);
+    ASSERT_TRUE(in.wait_closed(10s));
+    EXPECT_EQ(in.closed_reason()->code(), ErrorCode::kTimeout) << in.closed_reason()->to_string();
+    EXPECT_EQ(conn->stats().queued_bytes, 0u);
+  }
+  int completed() {
+    std::lock_guard lock(mu);
+    return completions;
+  }
+  bool wait_completions(int n) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, 10s, [&] { return completions >= n; });
+  }
+
+  MemfdRegion mem{std::size_t{16} << 20};  // outlives every Buffer, quarantined ones included
+  Inbox in;  // before the transport: on_closed may run into it until it is gone
+  std::unique_ptr<Transport> transport;
+  std::unique_ptr<Listener> listener;
+  std::unique_ptr<Child> child;
+  std::size_t lanes_before = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  int completions = 0;
+  int ok = 0;  // completions with success (the peer had consumed them)
+};
+
+TEST(ShmProcess, PayloadsLentToAStalledPeerComeBackWhenItReleasesThem) {
+  StalledPeer p("hold-then-release", "stall-release");
+  p.lend_then_stall();
+  // Declared dead, but only stopped: the blocks stay out of the pool, in
+  // quarantine (and our lane with them, for the peer's late releases), and
+  // the sends are not complete.
+  EXPECT_EQ(p.mem.live(), 4);
+  EXPECT_EQ(p.completed(), 0);
+  EXPECT_GT(count_maps("ember-shm-lane"), p.lanes_before);
+  // It wakes up, sees the connection gone and drops its views: their tokens
+  // come back through the lane, and so do the blocks, with the process alive.
+  p.child->signal(SIGCONT);
+  ASSERT_TRUE(p.child->wait_line("RELEASED"));
+  EXPECT_TRUE(p.mem.wait_all_released());
+  ASSERT_TRUE(p.wait_completions(4));
+  EXPECT_EQ(p.ok, 4);  // it had consumed them all
+  EXPECT_EQ(count_maps("ember-shm-lane"), p.lanes_before);
+  p.child->signal(SIGKILL);
+}
+
+TEST(ShmProcess, PayloadsLentToAStalledPeerComeBackWhenItsProcessExits) {
+  StalledPeer p("hold", "stall-exit");
+  p.lend_then_stall();
+  EXPECT_EQ(p.mem.live(), 4);
+  EXPECT_EQ(p.completed(), 0);
+  // The completions do not wait past heartbeat_timeout after the close (a
+  // caller is not held forever by a stalled peer); the blocks stay held.
+  ASSERT_TRUE(p.wait_completions(4));
+  EXPECT_EQ(p.mem.live(), 4);
+  // Killed while stopped: it never gives anything back, but its mappings die
+  // with it (seen through its pidfd).
+  p.child->signal(SIGKILL);
+  EXPECT_TRUE(p.mem.wait_all_released());
+  EXPECT_EQ(count_maps("ember-shm-lane"), p.lanes_before);
 }
 
 TEST(TcpProcess, PeerKilledMidTransferClosesWithAnError) {

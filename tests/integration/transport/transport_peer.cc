@@ -3,6 +3,10 @@
 //   echo   send every message back on its channel (large ones from the
 //          received Buffer itself: no copy)
 //   hold   keep every large message (never release it)
+//   hold-then-release
+//          keep every large message until the connection closes, then
+//          release them, print "RELEASED" and stay alive until killed (a
+//          stalled peer that woke up and dropped what it viewed)
 //   flood  send 4 MiB messages as fast as possible
 // Prints "READY" once connected and "GOT <n>" after each message, flushed,
 // so the test can wait on its stdout. Exits 0 when the connection closes in
@@ -78,7 +82,7 @@ int main(int argc, char** argv) {
       std::lock_guard lock(mu);
       echoes.push_back(Echo{m.channel, std::move(copy)});
       cv.notify_all();
-    } else if (behaviour == "hold" && m.is_large()) {
+    } else if ((behaviour == "hold" || behaviour == "hold-then-release") && m.is_large()) {
       std::lock_guard lock(mu);
       held.push_back(std::move(m.owned));
     }
@@ -105,6 +109,14 @@ int main(int argc, char** argv) {
     while (true) {
       if (!(*conn)->send(0, payload)) break;
     }
+  }
+  if (behaviour == "hold-then-release") {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return closed; });
+    held.clear();
+    std::printf("RELEASED\n");
+    std::fflush(stdout);
+    for (;;) ::pause();
   }
   std::unique_lock lock(mu);
   for (;;) {

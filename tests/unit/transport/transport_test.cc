@@ -236,8 +236,8 @@ TEST_P(TransportTest, PoolBuffersAndUnregisteredMemoryBothArrive) {
 
 TEST_P(TransportTest, PeerMemoryIsWritableOnlyOverShm) {
   // A server writes a reply straight into the worker's registered memory
-  // (proto::kFlagInPlace) through Connection::peer_memory; the worker sees
-  // the bytes once a message sent after the write has arrived.
+  // (proto::kFlagInPlace) through Connection::write_peer_memory; the worker
+  // sees the bytes once a message sent after the write has arrived.
   Inbox server_in, client_in;  // before the transports
   const Mode mode = GetParam();
   auto server_tx = Transport::create(options_for(mode));
@@ -255,46 +255,60 @@ TEST_P(TransportTest, PeerMemoryIsWritableOnlyOverShm) {
   ASSERT_TRUE(server_in.wait_accepted(1));
   auto server_conn = server_in.accepted_at(0);
 
-  auto mem = server_conn->peer_memory(*cid, 8192, 5000);
+  std::vector<std::byte> data(5000);
+  testing::fill_pattern(data, 0, 7);
+  const std::byte one[1] = {std::byte{1}};
+  Status w = server_conn->write_peer_memory(*cid, 8192, data);
+  const auto* base = static_cast<const std::byte*>(client_mem.region().base);
   if (mode.kind != Kind::kShm) {
-    ASSERT_FALSE(mem);
-    EXPECT_EQ(mem.error().code(), ErrorCode::kUnavailable) << mem.error().to_string();
-    EXPECT_FALSE((*conn)->peer_memory(0, 0, 1));  // neither side maps anything
+    ASSERT_FALSE(w);
+    EXPECT_EQ(w.error().code(), ErrorCode::kUnavailable) << w.error().to_string();
+    EXPECT_FALSE((*conn)->write_peer_memory(0, 0, one));  // neither side maps anything
   } else {
-    ASSERT_TRUE(mem) << mem.error().to_string();
-    ASSERT_EQ(mem->size(), 5000u);
-    testing::fill_pattern(*mem, 0, 7);
+    ASSERT_TRUE(w) << w.error().to_string();
     const std::byte note[4] = {};
     ASSERT_TRUE(server_conn->send(0, std::span<const std::byte>(note)));
     ASSERT_TRUE(server_conn->flush(0));
     ASSERT_TRUE(client_in.wait_count(0, 1));
-    const auto* base = static_cast<const std::byte*>(client_mem.region().base);
     EXPECT_FALSE(testing::check_pattern(std::span(base + 8192, 5000), 0, 7).has_value());
+    // Streaming stores (for data larger than the cache) land the same bytes.
+    testing::fill_pattern(data, 0, 9);
+    ASSERT_TRUE(server_conn->write_peer_memory(*cid, 65536 + 3, data,
+                                               Connection::PeerCopy::kStream));
+    ASSERT_TRUE(server_conn->send(0, std::span<const std::byte>(note)));
+    ASSERT_TRUE(server_conn->flush(0));
+    ASSERT_TRUE(client_in.wait_count(0, 2));
+    EXPECT_FALSE(testing::check_pattern(std::span(base + 65536 + 3, 5000), 0, 9).has_value());
 
     // Out of range, past the end, unknown region: errors naming the range.
-    auto past = server_conn->peer_memory(*cid, (std::size_t{4} << 20) - 100, 101);
+    std::vector<std::byte> d101(101), d16(16);
+    Status past = server_conn->write_peer_memory(*cid, (std::size_t{4} << 20) - 100, d101);
     ASSERT_FALSE(past);
     EXPECT_EQ(past.error().code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(past.error().message().find("outside"), std::string::npos) << past.error().message();
-    auto huge = server_conn->peer_memory(*cid, ~std::uint64_t{0}, 16);
+    Status huge = server_conn->write_peer_memory(*cid, ~std::uint64_t{0}, d16);
     ASSERT_FALSE(huge);
     EXPECT_EQ(huge.error().code(), ErrorCode::kInvalidArgument);
-    auto unknown = server_conn->peer_memory(*cid + 5, 0, 16);
+    Status unknown = server_conn->write_peer_memory(*cid + 5, 0, d16);
     ASSERT_FALSE(unknown);
     EXPECT_EQ(unknown.error().code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(unknown.error().message().find("no region"), std::string::npos)
         << unknown.error().message();
     // The server registered no memory: the worker maps none of it.
-    EXPECT_FALSE((*conn)->peer_memory(0, 0, 1));
+    EXPECT_FALSE((*conn)->write_peer_memory(0, 0, one));
   }
   (*conn)->close();
   ASSERT_TRUE(client_in.wait_closed());
   ASSERT_TRUE(server_in.wait_closed());
   if (mode.kind == Kind::kShm) {
-    // Still valid after the close (the Connection object lives).
-    auto after = server_conn->peer_memory(*cid, 0, 4096);
-    ASSERT_TRUE(after);
-    (*after)[0] = std::byte{1};
+    // The worker ended the connection: it revoked writes into its memory,
+    // and a late write is refused with kClosed, writing nothing.
+    const std::byte before = base[0];
+    const std::byte other[1] = {static_cast<std::byte>(static_cast<unsigned>(before) ^ 0xFFu)};
+    Status after = server_conn->write_peer_memory(*cid, 0, other);
+    ASSERT_FALSE(after);
+    EXPECT_EQ(after.error().code(), ErrorCode::kClosed) << after.error().to_string();
+    EXPECT_EQ(base[0], before);
   }
 }
 
