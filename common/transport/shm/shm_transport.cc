@@ -351,6 +351,7 @@ class Quarantine : public std::enable_shared_from_this<Quarantine> {
     Error reason{ErrorCode::kClosed, "connection closed"};  // for a never-consumed payload
     std::uint64_t consumed = 0;  // slots the peer had consumed at the close
     Clock::time_point completions_due{};
+    bool reported = false;  // the overdue warning went out
   };
 
   Quarantine(asio::io_context& ctx, nanoseconds poll_every) : ctx_(ctx), poll_every_(poll_every) {}
@@ -376,10 +377,10 @@ class Quarantine : public std::enable_shared_from_this<Quarantine> {
     if (e.held.empty()) return;
     std::uint64_t bytes = 0;
     for (auto& [t, h] : e.held) bytes += h.payload.size();
-    shm_log()->warn(
-        "{}: {} lent payload(s), {} bytes, held back until that peer gives them back, is torn "
-        "down or exits (a stalled peer may still read them; kill or restart it to free them)",
-        e.peer_name, e.held.size(), bytes);
+    // Usually the peer gives them back a moment later (it is only slower
+    // than our close); a stalled one is reported when completions are due.
+    shm_log()->debug("{}: {} lent payload(s), {} bytes, not given back at the close; held",
+                     e.peer_name, e.held.size(), bytes);
     bool arm = false;
     {
       std::lock_guard lock(mu_);
@@ -448,15 +449,23 @@ class Quarantine : public std::enable_shared_from_this<Quarantine> {
             ++h;
           }
         }
-        if (!e.held.empty() && now >= e.completions_due) {
+        if (!e.held.empty() && now >= e.completions_due && !e.reported) {
+          e.reported = true;
           std::size_t n = 0;
+          std::uint64_t bytes = 0;
           for (auto& [t, h] : e.held) {
+            bytes += h.payload.size();
             if (!h.done) continue;
             done.push_back(Finished{Held{Buffer(), std::move(h.done), 0}, status_of(h)});
             h.done = nullptr;
             ++n;
           }
-          if (n > 0) overdue.push_back(fmt::format("{}: {} send(s)", e.peer_name, n));
+          overdue.push_back(fmt::format(
+              "{}: {} lent payload(s), {} bytes, still not given back heartbeat_timeout after the "
+              "close; they stay held until that peer gives them back, is torn down or exits, but "
+              "{} send(s) complete now, and the peer may still read that memory if it wakes up: "
+              "kill or restart it",
+              e.peer_name, e.held.size(), bytes, n));
         }
         if (e.held.empty()) {
           it = entries_.erase(it);
@@ -467,13 +476,7 @@ class Quarantine : public std::enable_shared_from_this<Quarantine> {
       any = !entries_.empty();
       if (!any) armed_ = false;
     }
-    for (const std::string& o : overdue) {
-      shm_log()->error(
-          "{} completed while the stalled peer still holds their payloads (heartbeat_timeout "
-          "passed since the close); the peer may still read that memory if it wakes up: kill or "
-          "restart it",
-          o);
-    }
+    for (const std::string& o : overdue) shm_log()->warn("{}", o);
     for (Finished& f : done) {
       f.held.payload.reset();
       if (f.held.done) f.held.done(std::move(f.status));
