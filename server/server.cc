@@ -814,11 +814,13 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
                           ? transport::Connection::PeerCopy::kStream
                           : transport::Connection::PeerCopy::kCached;
     Status w = c->conn->write_peer_memory(to.placement->region_id, to.placement->offset_bytes,
-                                          payload, copy);
+                                          payload, copy, to.placement->window);
     if (w) {
       placed = true;
     } else if (w.error().code() == ErrorCode::kClosed) {
-      return;  // the worker ended the connection; nothing to answer
+      // The worker ended the connection, or closed this request's write
+      // window (it gave up on the request): nothing to answer.
+      return;
     } else if (!c->placement_warned.exchange(true, std::memory_order_relaxed)) {
       log->warn("worker {} ({}): reply placement not usable, sending the data instead: {}",
                 c->rank, c->peer, w.error().message());

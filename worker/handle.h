@@ -39,11 +39,9 @@
 //    progress (up to heartbeat_timeout).
 // Restart a server that stalled for longer than heartbeat_timeout (it
 // restores its newest checkpoint), or kill it, rather than let it resume.
-// Not covered: a pull (or push_pull) over shm that fails with
-// request_timeout while its connection stays up. The server may still answer
-// it later and then writes the parameters into its destination in place, so
-// do not hand that destination to other data until the Worker is closed
-// (there is no per-request cancel in the protocol yet).
+// A pull that fails with request_timeout while its connection stays up is
+// covered by its write window (worker.h, "Memory and copies"): the server's
+// late reply writes nothing into its destination.
 //
 // Boost.Asio: async_wait(executor, token) completes with signature
 // void(ember::Result<std::uint64_t>) on `executor` — a callback, a

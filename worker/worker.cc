@@ -14,6 +14,7 @@
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include <fmt/chrono.h>
 #include <fmt/format.h>
@@ -80,12 +81,55 @@ namespace {
 
 constexpr std::uint32_t kPendingShards = 16;
 
+// A write window a request holds (shm, in place: the server writes the
+// reply's parameters straight into the caller's destination through it).
+// The operation counts it as a send in flight (Op::send_started), so it is
+// not done while the server may still write; destroying the lease closes the
+// window (transport::Connection::close_write_window: from then on a late
+// reply writes nothing) and ends that count. Move-only.
+class WindowLease {
+ public:
+  WindowLease() = default;
+  WindowLease(std::shared_ptr<transport::Connection> conn, std::uint32_t id, std::shared_ptr<Op> op)
+      : conn_(std::move(conn)), id_(id), op_(std::move(op)) {
+    op_->send_started();
+  }
+  WindowLease(WindowLease&& o) noexcept
+      : conn_(std::move(o.conn_)), id_(std::exchange(o.id_, 0)), op_(std::move(o.op_)) {}
+  WindowLease& operator=(WindowLease&& o) noexcept {
+    if (this != &o) {
+      reset();
+      conn_ = std::move(o.conn_);
+      id_ = std::exchange(o.id_, 0);
+      op_ = std::move(o.op_);
+    }
+    return *this;
+  }
+  WindowLease(const WindowLease&) = delete;
+  WindowLease& operator=(const WindowLease&) = delete;
+  ~WindowLease() { reset(); }
+  bool open() const noexcept { return id_ != 0; }
+  void reset() noexcept {
+    if (id_ == 0) return;
+    conn_->close_write_window(std::exchange(id_, 0));
+    conn_.reset();
+    std::shared_ptr<Op> op = std::move(op_);
+    op->send_finished();
+  }
+
+ private:
+  std::shared_ptr<transport::Connection> conn_;
+  std::uint32_t id_ = 0;
+  std::shared_ptr<Op> op_;
+};
+
 struct PendingReq {
   std::shared_ptr<Op> op;
   proto::MsgType type = proto::MsgType::kPush;
   std::byte* dest = nullptr;  // pull / push_pull destination of this chunk; join body
   std::uint64_t dest_bytes = 0;
   bool in_place = false;  // sent with a proto::ReplyPlacement for `dest`
+  WindowLease window;     // in place: the write window the placement names
   std::uint32_t server = 0;
   std::uint64_t conn_gen = 0;
   // What a re-send after a lost connection needs: the request as issued
@@ -117,6 +161,22 @@ class PendingTable {
     PendingReq r = std::move(it->second);
     s.map.erase(it);
     return r;
+  }
+  // Removes the requests of `op` that hold a write window (in place).
+  std::vector<PendingReq> take_windows_of(const Op* op) {
+    std::vector<PendingReq> out;
+    for (Shard& s : shards_) {
+      std::lock_guard lock(s.mutex);
+      for (auto it = s.map.begin(); it != s.map.end();) {
+        if (it->second.op.get() == op && it->second.window.open()) {
+          out.push_back(std::move(it->second));
+          it = s.map.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    return out;
   }
   // Removes every request sent to `server` over connection generation `gen`.
   std::vector<PendingReq> take_connection(std::uint32_t server, std::uint64_t gen) {
@@ -725,6 +785,10 @@ void Worker::Impl::timer_loop() {
                                  std::chrono::duration_cast<std::chrono::milliseconds>(
                                      config.worker.request_timeout),
                                  note)));
+      // Its in-place requests are given up: their windows close (a late
+      // reply writes nothing, and one being written is waited for), and
+      // then the operation is done.
+      (void)pending.take_windows_of(op.get());
     }
     lock.lock();
   }
@@ -1102,6 +1166,19 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
       is_large(o.pending.dest_bytes, o.header) && in_pool(o.pending.dest, o.pending.dest_bytes)) {
     placement = proto::ReplyPlacement{region_id.load(std::memory_order_acquire), 0,
                                       static_cast<std::uint64_t>(o.pending.dest - pool->base())};
+  }
+  // A re-sent request's window belonged to its lost connection.
+  o.pending.window = WindowLease();
+  if (placement) {
+    // The server writes through a window of this request: when the worker
+    // gives up on it (request_timeout), closing the window stops a late
+    // reply from writing into memory the caller may have reused.
+    if (auto w = (*conn)->open_write_window()) {
+      placement->window = *w;
+      o.pending.window = WindowLease(*conn, *w, o.op);
+    } else {
+      placement.reset();  // every window is open: the reply brings its data
+    }
   }
   o.pending.in_place = placement.has_value();
   pending.insert(id, std::move(o.pending));

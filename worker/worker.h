@@ -56,9 +56,11 @@
 // over shm, when `out` is a pool block (allocate()) and the chunk is above
 // batch_threshold, the server writes them straight into `out` instead
 // (proto::kFlagInPlace: one copy in all, made by the server, none here).
-// Then `out` may still be written after its Handle failed with kTimeout, by
-// a late reply, until the connection closes: after a timeout, keep `out`
-// (or destroy the Worker) before reusing it.
+// The server writes through a write window the worker opened for that
+// request (transport::Connection::open_write_window); the worker closes it
+// when the reply is in or when it gives up (request_timeout), and the pull's
+// Handle is done only after that: a late reply then writes nothing, so `out`
+// is the caller's again once wait() returned, whatever the result.
 //
 // Lost connections. When a connection to a server closes for a reason a
 // reconnect can cure (peer reset or crash, heartbeat timeout, orderly close

@@ -112,10 +112,7 @@ Status check_request(const MessageView& m) {
       return make_error(ErrorCode::kMalformedFrame, "{}: reply placement is {} bytes, expected {}",
                         describe(h), n, sizeof(ReplyPlacement));
     }
-    if (!m.placement || m.placement->reserved != 0) {
-      return make_error(ErrorCode::kMalformedFrame, "{}: reply placement reserved field is not 0",
-                        describe(h));
-    }
+    EMBER_DCHECK(m.placement.has_value());
     // What follows checks the payload as if the placement were not there.
     MessageView rest = m;
     rest.payload = {};
@@ -370,7 +367,7 @@ Result<MessageView> decode(std::span<const std::byte> bytes) {
     ReplyPlacement p;
     std::memcpy(&p, m.payload.data(), sizeof p);
     p.region_id = from_le(p.region_id);
-    p.reserved = from_le(p.reserved);
+    p.window = from_le(p.window);
     p.offset_bytes = from_le(p.offset_bytes);
     m.placement = p;
   }
@@ -466,7 +463,7 @@ std::array<std::byte, sizeof(JoinReplyBody)> encode_body(const JoinReplyBody& bo
 }
 
 std::array<std::byte, sizeof(ReplyPlacement)> encode_body(const ReplyPlacement& body) {
-  ReplyPlacement w{to_le(body.region_id), to_le(body.reserved), to_le(body.offset_bytes)};
+  ReplyPlacement w{to_le(body.region_id), to_le(body.window), to_le(body.offset_bytes)};
   std::array<std::byte, sizeof w> out;
   std::memcpy(out.data(), &w, sizeof w);
   return out;

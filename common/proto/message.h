@@ -191,9 +191,13 @@ static_assert(offsetof(JoinRequestBody, server_index) == 8);
 // WRITE into a remote memory region (and DeepEP's buffers that peers write
 // into): the server copies the parameters once, into their destination,
 // instead of into a send buffer that the worker then copies again.
+// `window`: the write window the worker opened for this request
+// (transport::Connection::open_write_window; 0: none). The server writes
+// through it, so once the worker gave up on the request (request_timeout)
+// and closed the window, a late reply writes nothing.
 struct ReplyPlacement {
   std::uint32_t region_id;  // 0
-  std::uint32_t reserved;   // 4 zero
+  std::uint32_t window;     // 4
   std::uint64_t offset_bytes;  // 8
 
   bool operator==(const ReplyPlacement&) const = default;

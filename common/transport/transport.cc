@@ -78,12 +78,19 @@ Status Options::validate() const {
 }
 
 Status Connection::write_peer_memory(std::uint32_t region_id, std::uint64_t offset_bytes,
-                                     std::span<const std::byte> data, PeerCopy copy) {
+                                     std::span<const std::byte> data, PeerCopy copy,
+                                     std::uint32_t window) {
   (void)copy;
+  (void)window;
   return make_error(ErrorCode::kUnavailable,
                     "peer memory (region {}, offset {}, {} bytes): this transport maps no peer "
                     "memory; only shm does",
                     region_id, offset_bytes, data.size());
+}
+
+Result<std::uint32_t> Connection::open_write_window() {
+  return make_error(ErrorCode::kUnavailable,
+                    "write windows: this transport maps no peer memory; only shm does");
 }
 
 }  // namespace ember::transport

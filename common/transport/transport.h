@@ -61,7 +61,7 @@ namespace ember::transport {
 // Protocol version spoken in the handshake. Bump on any change to the
 // handshake, the control records or the frame layout (and with
 // common/placement's hash, which every peer must share).
-inline constexpr std::uint16_t kProtocolVersion = 1;
+inline constexpr std::uint16_t kProtocolVersion = 2;
 
 enum class Kind : std::uint8_t {
   kTcp = 1,  // Boost.Asio over TCP (any host)
@@ -317,10 +317,33 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // kInvalidArgument (no region `region_id`, or the range lies outside it),
   // naming the region, offset, size and region length; kClosed (this side is
   // closing or the peer revoked writes; nothing was written).
+  // `window`: 0, or the id of a write window the peer opened for this write
+  // (open_write_window on its side, sent to us with the request); the write
+  // is then refused once the peer closed that window (kClosed, nothing
+  // written), as when it gave up on the request.
   enum class PeerCopy { kCached, kStream };
   virtual Status write_peer_memory(std::uint32_t region_id, std::uint64_t offset_bytes,
                                    std::span<const std::byte> data,
-                                   PeerCopy copy = PeerCopy::kCached);
+                                   PeerCopy copy = PeerCopy::kCached, std::uint32_t window = 0);
+
+  // Write windows (shm): per-request permission for the peer to write into
+  // our memory. A worker opens one for each pull whose reply the server
+  // writes in place, sends its id with the request, and closes it when the
+  // reply is in or when it gives up on the request (request_timeout): once
+  // close_write_window returned, the peer's write_peer_memory with that id is
+  // refused and none is in progress, so the destination can be reused. The
+  // same idea as an RDMA memory window that the owner invalidates.
+  // open_write_window: never blocks; thread-safe. Returns an id (never 0).
+  // Errors: kUnavailable (tcp, rdma); kClosed; kTooLarge when all
+  // shm::kWriteWindows windows of this connection are open (send the request
+  // without a placement then).
+  virtual Result<std::uint32_t> open_write_window();
+  // Closes `window` (an id open_write_window returned). Waits while the peer
+  // is writing through it (a copy in progress: microseconds; at most
+  // heartbeat_timeout for a peer that stalled mid-copy, then logged). No-op
+  // on a closed connection: its writes were revoked with it (on_closed waits
+  // for a write in progress). Thread-safe; no error.
+  virtual void close_write_window(std::uint32_t window) { (void)window; }
 };
 
 // The server side: accepts connections and handshakes them. A Connection is

@@ -23,6 +23,9 @@
 //                    its side down: it consumes no more slots, so a large
 //                    message at or past `tail` will never be read
 //   [1280, 1280 + 8 credits)    release ring: u64 tokens, index = position % credits
+//   [align 64 ...)   kWriteWindows WriteWindow entries (8 bytes each): write windows
+//                    of the producer's memory (Connection::open_write_window); only
+//                    the lane of channel 0 uses them
 //   [align 4096 ...) num_slots slots of slot_bytes each
 // Every position is a 64-bit counter that never wraps in practice; index =
 // position % count (counts are powers of two). Each hot field sits on its own
@@ -70,6 +73,25 @@ inline constexpr std::uint32_t kLaneVersion = 2;
 inline constexpr std::size_t kSlotHeaderBytes = 64;
 
 enum class SlotKind : std::uint32_t { kBatch = 1, kLarge = 2, kFragment = 3 };
+
+// Write windows: how many a connection can have open at once, and the bits
+// of a window id that name its entry (the rest is a generation, never 0, so
+// that a late write for a closed window finds another id in the entry).
+inline constexpr std::uint32_t kWriteWindows = 4096;
+inline constexpr std::uint32_t kWriteWindowIndexBits = 12;
+static_assert(kWriteWindows == 1u << kWriteWindowIndexBits);
+
+// One write window, in the lane of the memory's owner. The owner stores the
+// window's id in `armed` to open it and 0 to close it; the writer adds 1 to
+// `writers`, checks that `armed` still holds its id, copies, subtracts 1
+// (seq_cst on both sides, as memory_revoked/memory_writers), so an owner that
+// closed the window and then saw writers == 0 knows no write is in progress
+// and none will start.
+struct WriteWindow {
+  std::atomic<std::uint32_t> armed;
+  std::atomic<std::uint32_t> writers;
+};
+static_assert(sizeof(WriteWindow) == 8);
 
 struct SlotHeader {
   std::uint32_t kind;          // SlotKind
@@ -120,9 +142,13 @@ struct LaneGeometry {
   std::uint32_t slot_bytes = 0;
   std::uint32_t num_slots = 0;
   std::uint32_t credits = 0;
-  std::size_t slots_offset() const noexcept {
+  std::size_t windows_offset() const noexcept {
     const std::size_t ctrl = sizeof(LaneControl) + 8 * std::size_t{credits};
-    return (ctrl + kSmallPageBytes - 1) / kSmallPageBytes * kSmallPageBytes;
+    return (ctrl + 63) / 64 * 64;
+  }
+  std::size_t slots_offset() const noexcept {
+    const std::size_t end = windows_offset() + sizeof(WriteWindow) * kWriteWindows;
+    return (end + kSmallPageBytes - 1) / kSmallPageBytes * kSmallPageBytes;
   }
   std::size_t total_bytes() const noexcept {
     const std::size_t t = slots_offset() + std::size_t{slot_bytes} * num_slots;
@@ -151,6 +177,9 @@ class Lane {
   std::atomic<std::uint64_t>& release_slot(std::uint64_t position) const noexcept {
     auto* ring = reinterpret_cast<std::atomic<std::uint64_t>*>(base_ + sizeof(LaneControl));
     return ring[position & (geometry_.credits - 1)];
+  }
+  WriteWindow& window(std::uint32_t index) const noexcept {
+    return reinterpret_cast<WriteWindow*>(base_ + geometry_.windows_offset())[index & (kWriteWindows - 1)];
   }
   std::byte* slot(std::uint64_t position) const noexcept {
     return base_ + geometry_.slots_offset() +

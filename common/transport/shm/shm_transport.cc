@@ -355,20 +355,34 @@ class Quarantine : public std::enable_shared_from_this<Quarantine> {
   };
 
   Quarantine(asio::io_context& ctx, nanoseconds poll_every) : ctx_(ctx), poll_every_(poll_every) {}
-  ~Quarantine() {
-    // The transport is gone: nobody polls any more. What is still held goes
-    // back now; say so, since a stalled peer may still read it.
+  ~Quarantine() { release_all(); }
+
+  // The Transport is being destroyed: stop polling (the timer must not keep
+  // I/O context 0 busy, or IoThreads::join_when_idle would wait for the
+  // peers), so that release_all() can follow once the threads are idle.
+  void stop() { stopping_.store(true, std::memory_order_release); }
+
+  // Gives everything back now, completions with the close's error: nobody
+  // polls any more. Says so, since a stalled peer may still read it.
+  void release_all() {
+    std::vector<Entry> entries;
+    {
+      std::lock_guard lock(mu_);
+      entries.swap(entries_);
+      held_bytes_ = 0;
+    }
     std::uint64_t bytes = 0;
-    for (auto& e : entries_) {
+    for (auto& e : entries) {
       for (auto& [t, h] : e.held) {
         bytes += h.payload.size();
-        if (h.done) h.done(tl::unexpected<Error>(e.reason));
+        h.payload.reset();
+        if (h.done) std::exchange(h.done, nullptr)(tl::unexpected<Error>(e.reason));
       }
     }
     if (bytes > 0) {
       shm_log()->warn(
-          "shm transport destroyed while {} bytes lent to stalled peers were never given back; "
-          "they return to their owner now, and a peer that wakes up may read reused memory",
+          "shm transport destroyed while {} bytes lent to peers were not given back yet; they "
+          "return to their owner now, and a stalled peer that wakes up may read reused memory",
           bytes);
     }
   }
@@ -389,7 +403,7 @@ class Quarantine : public std::enable_shared_from_this<Quarantine> {
       arm = !armed_;
       armed_ = true;
     }
-    if (arm) {
+    if (arm && !stopping_.load(std::memory_order_acquire)) {
       std::weak_ptr<Quarantine> weak = weak_from_this();
       asio::post(ctx_, [weak] {
         if (auto q = weak.lock()) q->arm();
@@ -486,6 +500,7 @@ class Quarantine : public std::enable_shared_from_this<Quarantine> {
 
  private:
   void arm() {  // I/O context 0's thread only
+    if (stopping_.load(std::memory_order_acquire)) return;
     if (!timer_) timer_ = std::make_unique<asio::steady_timer>(ctx_);
     timer_->expires_after(poll_every_);
     std::weak_ptr<Quarantine> weak = weak_from_this();
@@ -502,6 +517,7 @@ class Quarantine : public std::enable_shared_from_this<Quarantine> {
   std::vector<Entry> entries_;
   std::uint64_t held_bytes_ = 0;
   bool armed_ = false;
+  std::atomic<bool> stopping_{false};
   std::unique_ptr<asio::steady_timer> timer_;  // context 0's thread; destroyed after it stopped
 };
 
@@ -821,7 +837,7 @@ class ShmConnection final : public ConnectionCore {
     // memory is in progress (one that started before revoke_peer_writes()),
     // so a caller who reuses a pull's destination after the error cannot
     // have it overwritten by a peer that stalled mid-copy and woke up.
-    if (!own_access_ || peer_writes_finished()) {
+    if (peer_writes_finished()) {
       release_access();
       core_->io_object_removed();
       announce_closed();
@@ -834,7 +850,7 @@ class ShmConnection final : public ConnectionCore {
     auto self = shared();
     asio::post(*control_ctx_, [self] { self->wait_peer_writes(); });
   }
-  const std::shared_ptr<PeerProcess>& peer_process() const { return peer_process_; }
+  std::shared_ptr<PeerProcess> peer_process() const { return std::atomic_load(&peer_process_); }
   // A channel finished its final drain after the peer's goodbye.
   void channel_drained() {
     if (++channels_drained_ == channels_.size()) {
@@ -851,7 +867,8 @@ class ShmConnection final : public ConnectionCore {
     return it == peer_regions_.end() ? nullptr : &it->second;
   }
   Status write_peer_memory(std::uint32_t region_id, std::uint64_t offset_bytes,
-                           std::span<const std::byte> data, PeerCopy copy) override {
+                           std::span<const std::byte> data, PeerCopy copy,
+                           std::uint32_t window) override {
     const auto* region = peer_region(region_id);
     if (region == nullptr) {
       return make_error(ErrorCode::kInvalidArgument,
@@ -861,24 +878,92 @@ class ShmConnection final : public ConnectionCore {
     EMBER_ASSIGN_OR_RETURN(std::span<std::byte> view, (*region)->view(offset_bytes, data.size()));
     const std::shared_ptr<Lane> lane = std::atomic_load(&peer_access_);
     if (!lane || failing()) return closed_error();
-    // lane.h: count the write, then look at memory_revoked (both seq_cst);
-    // the peer sets memory_revoked, then waits for the count to drop.
+    // lane.h: count the write, then look at memory_revoked and the window
+    // (all seq_cst); the peer revokes or closes, then waits for the counts
+    // to drop.
     auto& writers = lane->control().memory_writers.value;
     writers.fetch_add(1, std::memory_order_seq_cst);
-    if (lane->control().memory_revoked.value.load(std::memory_order_seq_cst) != 0) {
+    WriteWindow* w = window != 0 ? &lane->window(window) : nullptr;
+    if (w != nullptr) w->writers.fetch_add(1, std::memory_order_seq_cst);
+    auto done = [&] {
+      if (w != nullptr) w->writers.fetch_sub(1, std::memory_order_seq_cst);
       writers.fetch_sub(1, std::memory_order_seq_cst);
+    };
+    if (lane->control().memory_revoked.value.load(std::memory_order_seq_cst) != 0) {
+      done();
       return make_error(ErrorCode::kClosed,
                         "{} {} ended this connection; its memory is no longer written",
                         role_name(peer().role), peer().rank);
+    }
+    if (w != nullptr && w->armed.load(std::memory_order_seq_cst) != window) {
+      done();
+      return make_error(ErrorCode::kClosed,
+                        "{} {} closed write window {:#x} (it gave up on that request); nothing "
+                        "written",
+                        role_name(peer().role), peer().rank, window);
     }
     if (copy == PeerCopy::kStream) {
       memory::stream_copy(view.data(), data.data(), data.size());
     } else {
       std::memcpy(view.data(), data.data(), data.size());
     }
-    writers.fetch_sub(1, std::memory_order_seq_cst);
+    done();
     return ok_status();
   }
+
+  Result<std::uint32_t> open_write_window() override {
+    const std::shared_ptr<Lane> lane = std::atomic_load(&own_access_);
+    if (!lane || failing()) return closed_error();
+    std::uint32_t id = 0;
+    {
+      std::lock_guard lock(windows_mu_);
+      if (window_gen_.empty()) {
+        window_gen_.assign(kWriteWindows, 0);
+        for (std::uint32_t i = kWriteWindows; i > 0; --i) free_windows_.push_back(i - 1);
+      }
+      if (free_windows_.empty()) {
+        return make_error(ErrorCode::kTooLarge,
+                          "all {} write windows of the connection to {} {} are open",
+                          kWriteWindows, role_name(peer().role), peer().rank);
+      }
+      const std::uint32_t index = free_windows_.back();
+      free_windows_.pop_back();
+      std::uint32_t gen = (window_gen_[index] + 1) & ((1u << (32 - kWriteWindowIndexBits)) - 1);
+      if (gen == 0) gen = 1;
+      window_gen_[index] = gen;
+      id = gen << kWriteWindowIndexBits | index;
+    }
+    lane->window(id).armed.store(id, std::memory_order_seq_cst);
+    return id;
+  }
+
+  void close_write_window(std::uint32_t window) override {
+    const std::shared_ptr<Lane> lane = std::atomic_load(&own_access_);
+    if (!lane || window == 0) return;  // closed: the peer's writes went with the connection
+    WriteWindow& w = lane->window(window);
+    std::uint32_t expected = window;
+    if (!w.armed.compare_exchange_strong(expected, 0, std::memory_order_seq_cst)) return;
+    if (w.writers.load(std::memory_order_seq_cst) != 0) {
+      // The peer is copying into it right now (or stalled mid-copy).
+      const auto deadline = Clock::now() + core_->options.heartbeat_timeout;
+      while (w.writers.load(std::memory_order_seq_cst) != 0) {
+        const std::shared_ptr<PeerProcess> proc = std::atomic_load(&peer_process_);
+        const bool gone = proc && proc->exited();
+        if (gone || Clock::now() >= deadline) {
+          if (!gone) {
+            shm_log()->error("{} {} did not finish its write through window {:#x} within "
+                             "heartbeat_timeout; that memory may still change if it wakes up",
+                             role_name(peer().role), peer().rank, window);
+          }
+          break;
+        }
+        std::this_thread::yield();
+      }
+    }
+    std::lock_guard lock(windows_mu_);
+    free_windows_.push_back(window & (kWriteWindows - 1));
+  }
+
   std::size_t payload_limit() const {
     return core_->options.batch_threshold_bytes / 8 * 8 - wire::kMinFrameBytes;
   }
@@ -1039,16 +1124,19 @@ class ShmConnection final : public ConnectionCore {
   // quarantine holds its own references).
   void release_access() {
     std::atomic_store(&peer_access_, std::shared_ptr<Lane>());
-    own_access_.reset();
-    peer_process_.reset();
+    std::atomic_store(&own_access_, std::shared_ptr<Lane>());
+    std::atomic_store(&peer_process_, std::shared_ptr<PeerProcess>());
   }
   // Tells the peer to write no more into our memory (lane.h: memory_revoked).
   void revoke_peer_writes() {
-    if (own_access_) own_access_->control().memory_revoked.value.store(1, std::memory_order_seq_cst);
+    const std::shared_ptr<Lane> lane = std::atomic_load(&own_access_);
+    if (lane) lane->control().memory_revoked.value.store(1, std::memory_order_seq_cst);
   }
   bool peer_writes_finished() const {
-    return own_access_->control().memory_writers.value.load(std::memory_order_seq_cst) == 0 ||
-           peer_process_->exited();
+    const std::shared_ptr<Lane> lane = std::atomic_load(&own_access_);
+    const std::shared_ptr<PeerProcess> peer = std::atomic_load(&peer_process_);
+    return !lane || lane->control().memory_writers.value.load(std::memory_order_seq_cst) == 0 ||
+           (peer && peer->exited());
   }
   // On the control link's context, after the last part finished (that part
   // stays counted as an I/O object until on_closed).
@@ -1101,6 +1189,10 @@ class ShmConnection final : public ConnectionCore {
   // write_peer_memory runs on any thread).
   std::shared_ptr<Lane> own_access_;
   std::shared_ptr<Lane> peer_access_;
+  // Write windows we opened (lane.h WriteWindow, in own_access_).
+  std::mutex windows_mu_;
+  std::vector<std::uint32_t> free_windows_;  // entry indices
+  std::vector<std::uint32_t> window_gen_;    // per entry: generation of its last id
   Clock::time_point revoke_deadline_{};
   std::unique_ptr<asio::steady_timer> revoke_timer_;
   bool all_drained_ = false;
@@ -1621,7 +1713,7 @@ void Channel::teardown(const Error& reason) {
   conn_->flow().release(bytes);
   // Not given back yet: the peer may still read them (a stalled peer wakes
   // up with our memory mapped), unless its process is gone.
-  const auto& peer = conn_->peer_process();
+  const std::shared_ptr<PeerProcess> peer = conn_->peer_process();
   if (!dropped.empty() && !(peer && peer->exited())) {
     held.peer = peer;
     held.peer_name = fmt::format("shm channel {} to {} {} (pid {})", index_,
@@ -1920,8 +2012,11 @@ class ShmTransport final : public Transport {
   explicit ShmTransport(std::shared_ptr<Core> core) : core_(std::move(core)) {}
   ~ShmTransport() override {
     EMBER_CHECK_MSG(!core_->io->on_io_thread(), "a Transport must not be destroyed on its I/O thread");
+    core_->quarantine->stop();
     core_->shut_down();
     core_->io->join_when_idle();
+    // No I/O thread runs any more: what peers still hold goes back now.
+    core_->quarantine->release_all();
   }
 
   Kind kind() const noexcept override { return Kind::kShm; }

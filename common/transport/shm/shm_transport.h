@@ -29,7 +29,9 @@
 // parameters straight into the worker's destination (proto::kFlagInPlace)
 // and send only the header after them. Each write is counted in the peer's
 // channel-0 lane and refused once the peer revoked writes (lane.h:
-// memory_revoked, set when its side of the connection ends).
+// memory_revoked, set when its side of the connection ends), and, when it
+// names a write window (Connection::open_write_window, one per request,
+// lane.h WriteWindow), once the peer closed that window.
 // Wake-ups: a consumer spins briefly, then sets its sleeping flag and waits
 // on its doorbell eventfd (from its io_context); a producer writes the
 // doorbell only when that flag is set.

@@ -135,7 +135,7 @@ TEST(ShmStalledServer, HeldPushSurvivesTheStallAndTheRoundUsesItsOriginalBytes) 
   EXPECT_TRUE(server.process().wait_exit(20s)) << server.log();
 }
 
-// Defect (ed2b315): a Worker destroyed while a healthy server holds its bsp
+// Regression (found in ed2b315, fixed since): a Worker destroyed while a healthy server holds its bsp
 // push in an open round (the first contribution waits for the second,
 // shard_core.h) does not return. The close quarantines the lent pool block
 // (the server may still read it, and will when the round completes), and
@@ -143,8 +143,8 @@ TEST(ShmStalledServer, HeldPushSurvivesTheStallAndTheRoundUsesItsOriginalBytes) 
 // the quarantine's poll timer re-arms for as long as the block is held: until
 // the round completes or the server exits, possibly never (before ed2b315 the
 // block was taken back at the close and ~Worker returned at once). A rank
-// that gives up after an error cannot exit. Disabled until fixed.
-TEST(ShmHeldPush, DISABLED_WorkerDestroyedWhileTheServerHoldsItsPushReturns) {
+// that gives up after an error cannot exit.
+TEST(ShmHeldPush, WorkerDestroyedWhileTheServerHoldsItsPushReturns) {
   TempDir dir;
   ClusterSpec spec;
   spec.transport = "shm";
@@ -175,7 +175,7 @@ TEST(ShmHeldPush, DISABLED_WorkerDestroyedWhileTheServerHoldsItsPushReturns) {
   workers.clear();
 }
 
-// Defect (ed2b315): a server whose worker is stopped (SIGSTOP, a debugger)
+// Regression (found in ed2b315, fixed since): a server whose worker is stopped (SIGSTOP, a debugger)
 // with a large pull reply lent to it and not yet read never exits on
 // SIGTERM. Server::Impl::shutdown() closes the connection (the worker cannot
 // answer: the drain fails it), the reply goes to the shm quarantine, and
@@ -183,10 +183,10 @@ TEST(ShmHeldPush, DISABLED_WorkerDestroyedWhileTheServerHoldsItsPushReturns) {
 // I/O context 0 to run out of work, which it never does while the
 // quarantine's poll timer re-arms for a held payload. No checkpoint is
 // written; systemd ends it with SIGKILL. It exits only once the worker
-// process is gone (pidfd) or wakes up and releases the reply. Disabled until
-// fixed (tests/unit/transport/shm_quarantine_test.cc has the transport-level
+// process is gone (pidfd) or wakes up and releases the reply
+// (tests/unit/transport/shm_quarantine_test.cc has the transport-level
 // reproducer).
-TEST(ShmStalledWorker, DISABLED_ServerExitsOnSigtermWhileAStoppedWorkerHoldsALentReply) {
+TEST(ShmStalledWorker, ServerExitsOnSigtermWhileAStoppedWorkerHoldsALentReply) {
   TempDir dir;
   ClusterSpec spec;
   spec.transport = "shm";

@@ -232,18 +232,20 @@ Header pull_header(std::uint64_t elements) {
 }
 
 std::vector<std::byte> placement_bytes(std::uint32_t region, std::uint64_t offset,
-                                       std::uint32_t reserved = 0) {
-  const auto b = encode_body(ReplyPlacement{region, reserved, offset});
+                                       std::uint32_t window = 0) {
+  const auto b = encode_body(ReplyPlacement{region, window, offset});
   return {b.begin(), b.end()};
 }
 
 TEST(Proto, InPlacePullCarriesItsPlacement) {
   Header h = pull_header(1000);
   h.flags = kFlagInPlace;
-  const auto bytes = encode_message(h, {}, placement_bytes(3, 0x123456789ULL));
-  // Documented layout: region at +64, reserved at +68, offset at +72, little-endian.
+  const auto bytes = encode_message(h, {}, placement_bytes(3, 0x123456789ULL, 0x5001));
+  // Documented layout: region at +64, window at +68, offset at +72, little-endian.
   EXPECT_EQ(bytes.size(), kHeaderBytes + 16);
   EXPECT_EQ(bytes[64], std::byte{3});
+  EXPECT_EQ(bytes[68], std::byte{0x01});
+  EXPECT_EQ(bytes[69], std::byte{0x50});
   EXPECT_EQ(bytes[72], std::byte{0x89});
   EXPECT_EQ(bytes[76], std::byte{0x01});
   auto m = decode(bytes);
@@ -251,6 +253,7 @@ TEST(Proto, InPlacePullCarriesItsPlacement) {
   ASSERT_TRUE(m->placement.has_value());
   EXPECT_EQ(m->placement->region_id, 3u);
   EXPECT_EQ(m->placement->offset_bytes, 0x123456789ULL);
+  EXPECT_EQ(m->placement->window, 0x5001u);
   EXPECT_TRUE(m->payload.empty());  // the placement is not tensor data
   // A plain pull has none.
   auto plain = decode(encode_message(pull_header(1000), {}, {}));
@@ -312,7 +315,6 @@ TEST(ProtoDecode, RejectsBadPlacementBody) {
   auto longer = placement_bytes(0, 0);
   longer.resize(24);
   expect_malformed(encode_message(h, {}, longer), "reply placement is 24 bytes");
-  expect_malformed(encode_message(h, {}, placement_bytes(0, 0, 7)), "reserved field");
   // The rest of the request is still checked.
   h.dtype = DType::kFloat64;
   expect_malformed(encode_message(h, {}, placement_bytes(0, 0)), "not a tensor type");

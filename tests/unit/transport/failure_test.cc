@@ -150,7 +150,7 @@ TEST(TcpHandshake, VersionMismatchNamesBothVersions) {
   auto reply = peer.handshake(h);
   ASSERT_TRUE(reply) << reply.error().to_string();
   EXPECT_EQ(reply->status, ErrorCode::kVersionMismatch);
-  EXPECT_NE(reply->text.find("speaks version 1"), std::string::npos) << reply->text;
+  EXPECT_NE(reply->text.find("speaks version " + std::to_string(kProtocolVersion)), std::string::npos) << reply->text;
   EXPECT_NE(reply->text.find("speaks version 99"), std::string::npos) << reply->text;
   EXPECT_TRUE(peer.wait_eof());
   EXPECT_TRUE(wait_refused(*server.listener, 1));
@@ -187,7 +187,7 @@ TEST(TcpHandshake, ClientReportsAServerOfAnotherVersion) {
   ::close(lfd);
   ASSERT_FALSE(conn);
   EXPECT_EQ(conn.error().code(), ErrorCode::kVersionMismatch);
-  EXPECT_NE(conn.error().message().find("this side speaks version 1"), std::string::npos);
+  EXPECT_NE(conn.error().message().find("this side speaks version " + std::to_string(kProtocolVersion)), std::string::npos);
   EXPECT_NE(conn.error().message().find("speaks version 7"), std::string::npos);
 }
 

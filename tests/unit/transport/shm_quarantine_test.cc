@@ -237,15 +237,16 @@ TEST(ShmQuarantine, IncomingBufferAndConnectionOutliveTheirTransports) {
   EXPECT_TRUE(p.mem.wait_all_released(5s));
 }
 
-// Defect (ed2b315): ~ShmTransport never returns while a payload it lent is
+// Regression (found in ed2b315, fixed since): ~ShmTransport never returns while a payload it lent is
 // quarantined. shm_transport.h says "Destroying the Transport gives them back
 // regardless" (and ~Quarantine would), but ~ShmTransport first runs
 // IoThreads::join_when_idle(), and the quarantine re-arms its poll timer on
 // I/O context 0 for as long as anything is held, so context 0 never runs out
 // of work and the join waits until the holder gives the payload back (or its
 // process exits). A worker (or server) that shuts down while its stalled peer
-// holds a lent push hangs in its destructor. Disabled until fixed.
-TEST(ShmQuarantine, DISABLED_TransportDestroyedWhileAPeerHoldsALentPayloadReturns) {
+// holds a lent push hung in its destructor. Now the destructor stops the
+// quarantine's timer first and gives what is held back after the join.
+TEST(ShmQuarantine, TransportDestroyedWhileAPeerHoldsALentPayloadReturns) {
   Pair p("destroy");
   ASSERT_TRUE(p.conn->send(0, p.mem.make(1 << 20), p.completions.make()));
   ASSERT_TRUE(p.holder_in.wait_count(0, 1));
@@ -318,7 +319,7 @@ TEST(ShmPeerWrites, NoWriteLandsAfterTheOwnersOnClosedWhenTheWriterCloses) {
   for (int i = 0; i < 5; ++i) run_writes_racing_close(false);
 }
 
-// Defect (ed2b315), found by TSan (build with -fsanitize=thread; fails 3 runs
+// Regression (found in ed2b315 by TSan, fixed since) (build with -fsanitize=thread; fails 3 runs
 // out of 3 there): an orderly close finishing on an I/O thread while the
 // Transport's destructor fails the same Connection
 // (TransportRegistry::shut_down -> ConnectionCore::fail -> start_teardown).
@@ -328,9 +329,9 @@ TEST(ShmPeerWrites, NoWriteLandsAfterTheOwnersOnClosedWhenTheWriterCloses) {
 // teardown -> io_part_finished, shm_transport.cc:825/1042) resets it, which
 // unmaps channel 0's lane when it was the last reference: a data race on the
 // shared_ptr, and a store into an unmapped lane if the reset lands between
-// the null check and the store. Disabled until fixed (it passes without TSan
-// nearly always).
-TEST(ShmPeerWrites, DISABLED_OrderlyCloseRacingTransportDestructionIsClean) {
+// the null check and the store. (Without TSan it
+// passed nearly always.)
+TEST(ShmPeerWrites, OrderlyCloseRacingTransportDestructionIsClean) {
   for (int i = 0; i < 40; ++i) {
     Pair p("race-" + std::to_string(i));
     p.conn->close();

@@ -312,6 +312,82 @@ TEST_P(TransportTest, PeerMemoryIsWritableOnlyOverShm) {
   }
 }
 
+TEST_P(TransportTest, WriteWindowsGateEachWriteUntilTheirOwnerClosesThem) {
+  // A worker opens a write window per in-place pull and closes it when the
+  // reply is in or when it gives up (request_timeout): a late write through
+  // a closed window must find nothing to write into.
+  Inbox server_in, client_in;  // before the transports
+  const Mode mode = GetParam();
+  auto server_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(server_tx);
+  auto client_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(client_tx);
+  MemfdRegion client_mem(std::size_t{4} << 20);
+  auto cid = (*client_tx)->register_memory(client_mem.region());
+  ASSERT_TRUE(cid);
+  auto listener = (*server_tx)->listen(address_for(mode, "windows"), {Role::kServer, 0},
+                                       server_in.acceptor(), server_in.handlers());
+  ASSERT_TRUE(listener);
+  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 1}, client_in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  ASSERT_TRUE(server_in.wait_accepted(1));
+  auto server_conn = server_in.accepted_at(0);
+
+  auto w = (*conn)->open_write_window();
+  if (mode.kind != Kind::kShm) {
+    ASSERT_FALSE(w);
+    EXPECT_EQ(w.error().code(), ErrorCode::kUnavailable) << w.error().to_string();
+    (*conn)->close_write_window(1);  // no-op
+    return;
+  }
+  ASSERT_TRUE(w) << w.error().to_string();
+  EXPECT_NE(*w, 0u);
+  const auto* base = static_cast<const std::byte*>(client_mem.region().base);
+  std::vector<std::byte> data(4096, std::byte{0x5A});
+  ASSERT_TRUE(server_conn->write_peer_memory(*cid, 0, data, Connection::PeerCopy::kCached, *w));
+  EXPECT_EQ(base[0], std::byte{0x5A});
+  (*conn)->close_write_window(*w);
+  // Closed: refused, nothing written.
+  std::vector<std::byte> late(4096, std::byte{0x11});
+  Status s = server_conn->write_peer_memory(*cid, 0, late, Connection::PeerCopy::kCached, *w);
+  ASSERT_FALSE(s);
+  EXPECT_EQ(s.error().code(), ErrorCode::kClosed) << s.error().to_string();
+  EXPECT_NE(s.error().message().find("write window"), std::string::npos) << s.error().message();
+  EXPECT_EQ(base[0], std::byte{0x5A});
+  // Closing twice, or an id that was never open, changes nothing.
+  (*conn)->close_write_window(*w);
+  (*conn)->close_write_window(0);
+  // Every window can be open at once; one more is refused until one closes.
+  // A window reopened on the same entry gets another id, so the old id
+  // stays refused.
+  std::vector<std::uint32_t> open;
+  for (;;) {
+    auto more = (*conn)->open_write_window();
+    if (!more) {
+      EXPECT_EQ(more.error().code(), ErrorCode::kTooLarge) << more.error().to_string();
+      break;
+    }
+    EXPECT_NE(*more, *w);
+    open.push_back(*more);
+  }
+  EXPECT_EQ(open.size(), 4096u);
+  (*conn)->close_write_window(open.back());
+  open.pop_back();
+  auto again = (*conn)->open_write_window();
+  ASSERT_TRUE(again);
+  open.push_back(*again);
+  EXPECT_FALSE(server_conn->write_peer_memory(*cid, 0, late, Connection::PeerCopy::kCached, *w));
+  EXPECT_EQ(base[0], std::byte{0x5A});
+  for (std::uint32_t id : open) (*conn)->close_write_window(id);
+  // Without a window a write is gated by the connection only.
+  ASSERT_TRUE(server_conn->write_peer_memory(*cid, 0, late));
+  EXPECT_EQ(base[0], std::byte{0x11});
+  (*conn)->close();
+  ASSERT_TRUE(client_in.wait_closed());
+  ASSERT_TRUE(server_in.wait_closed());
+  EXPECT_FALSE((*conn)->open_write_window());
+}
+
 INSTANTIATE_TEST_SUITE_P(All, TransportTest,
                          ::testing::Values(Mode{"tcp_writev", Kind::kTcp, ZeroCopy::kWritev},
                                            Mode{"tcp_sendfile", Kind::kTcp, ZeroCopy::kSendfile},
