@@ -234,26 +234,51 @@ TEST_P(TransportTest, PoolBuffersAndUnregisteredMemoryBothArrive) {
   EXPECT_EQ((*send_pool)->stats().bytes_in_use, 0u);
 }
 
+// A worker (client) with 4 MiB of registered memory connected to a server:
+// for the tests of one-sided writes into the worker's memory.
+struct WorkerMemoryPair {
+  explicit WorkerMemoryPair(const Mode& mode, const char* name) {
+    auto st = Transport::create(options_for(mode));
+    EMBER_CHECK(st.has_value());
+    server_tx = std::move(*st);
+    auto ct = Transport::create(options_for(mode));
+    EMBER_CHECK(ct.has_value());
+    client_tx = std::move(*ct);
+    auto id = client_tx->register_memory(client_mem.region());
+    EMBER_CHECK(id.has_value());
+    cid = *id;
+    auto l = server_tx->listen(address_for(mode, name), {Role::kServer, 0}, server_in.acceptor(),
+                               server_in.handlers());
+    EMBER_CHECK(l.has_value());
+    listener = std::move(*l);
+    auto c = client_tx->connect(listener->address(), {Role::kWorker, 1}, client_in.handlers());
+    EMBER_CHECK_MSG(c.has_value(), "connect failed");
+    conn = std::move(*c);
+    EMBER_CHECK(server_in.wait_accepted(1));
+    server_conn = server_in.accepted_at(0);
+  }
+  const std::byte* base() const { return static_cast<const std::byte*>(client_mem.region().base); }
+
+  Inbox server_in, client_in;  // before the transports
+  MemfdRegion client_mem{std::size_t{4} << 20};
+  std::unique_ptr<Transport> server_tx, client_tx;
+  std::uint32_t cid = 0;
+  std::unique_ptr<Listener> listener;
+  std::shared_ptr<Connection> conn, server_conn;
+};
+
 TEST_P(TransportTest, PeerMemoryIsWritableOnlyOverShm) {
   // A server writes a reply straight into the worker's registered memory
   // (proto::kFlagInPlace) through Connection::write_peer_memory; the worker
   // sees the bytes once a message sent after the write has arrived.
-  Inbox server_in, client_in;  // before the transports
   const Mode mode = GetParam();
-  auto server_tx = Transport::create(options_for(mode));
-  ASSERT_TRUE(server_tx);
-  auto client_tx = Transport::create(options_for(mode));
-  ASSERT_TRUE(client_tx);
-  MemfdRegion client_mem(std::size_t{4} << 20);
-  auto cid = (*client_tx)->register_memory(client_mem.region());
-  ASSERT_TRUE(cid);
-  auto listener = (*server_tx)->listen(address_for(mode, "peermem"), {Role::kServer, 0},
-                                       server_in.acceptor(), server_in.handlers());
-  ASSERT_TRUE(listener);
-  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 1}, client_in.handlers());
-  ASSERT_TRUE(conn) << conn.error().to_string();
-  ASSERT_TRUE(server_in.wait_accepted(1));
-  auto server_conn = server_in.accepted_at(0);
+  WorkerMemoryPair p(mode, "peermem");
+  Inbox& server_in = p.server_in;
+  Inbox& client_in = p.client_in;
+  auto conn = &p.conn;
+  auto& server_conn = p.server_conn;
+  const auto cid = &p.cid;
+  MemfdRegion& client_mem = p.client_mem;
 
   std::vector<std::byte> data(5000);
   testing::fill_pattern(data, 0, 7);
@@ -316,22 +341,14 @@ TEST_P(TransportTest, WriteWindowsGateEachWriteUntilTheirOwnerClosesThem) {
   // A worker opens a write window per in-place pull and closes it when the
   // reply is in or when it gives up (request_timeout): a late write through
   // a closed window must find nothing to write into.
-  Inbox server_in, client_in;  // before the transports
   const Mode mode = GetParam();
-  auto server_tx = Transport::create(options_for(mode));
-  ASSERT_TRUE(server_tx);
-  auto client_tx = Transport::create(options_for(mode));
-  ASSERT_TRUE(client_tx);
-  MemfdRegion client_mem(std::size_t{4} << 20);
-  auto cid = (*client_tx)->register_memory(client_mem.region());
-  ASSERT_TRUE(cid);
-  auto listener = (*server_tx)->listen(address_for(mode, "windows"), {Role::kServer, 0},
-                                       server_in.acceptor(), server_in.handlers());
-  ASSERT_TRUE(listener);
-  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 1}, client_in.handlers());
-  ASSERT_TRUE(conn) << conn.error().to_string();
-  ASSERT_TRUE(server_in.wait_accepted(1));
-  auto server_conn = server_in.accepted_at(0);
+  WorkerMemoryPair p(mode, "windows");
+  Inbox& server_in = p.server_in;
+  Inbox& client_in = p.client_in;
+  auto conn = &p.conn;
+  auto& server_conn = p.server_conn;
+  const auto cid = &p.cid;
+  MemfdRegion& client_mem = p.client_mem;
 
   auto w = (*conn)->open_write_window();
   if (mode.kind != Kind::kShm) {
