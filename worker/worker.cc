@@ -810,6 +810,10 @@ void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Erro
     }
   } announce{link, gen};
   auto lost = pending.take_connection(server, gen);
+  // Their write windows went with the connection (its writes are revoked,
+  // and on_closed runs after one in progress): the operations stop counting
+  // them now, so a timeout during the reconnect ends them at once.
+  for (auto& r : lost) r.window = WindowLease();
   const std::uint32_t max_resends = config.worker.resend_attempts;
   const bool resend = !lost.empty() && can_resend(link, gen, reason);
   ResendJob job;
@@ -1018,6 +1022,10 @@ void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
       back_off = true;
       continue;
     }
+    // connection() may have taken a whole reconnect cycle: drop what timed
+    // out meanwhile (send() checks once more after opening a window).
+    std::erase_if(reqs, [](const PendingReq& r) { return r.op->failed(); });
+    if (reqs.empty()) return;
     log->info("reconnected to server {} ({}); re-sending {} request(s)", link.index, link.address,
               reqs.size());
     for (auto& r : reqs) {
@@ -1182,6 +1190,13 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   }
   o.pending.in_place = placement.has_value();
   pending.insert(id, std::move(o.pending));
+  if (placement && o.op->failed()) {
+    // Given up meanwhile (request_timeout during a reconnect): the timer
+    // closed the windows it found, perhaps before this one was registered.
+    // Taking the request back closes its window; nothing is sent.
+    pending.take(id);
+    return;
+  }
   // `lost_completion`: a large send whose completion will not run (its
   // part must be counted here if the request is re-sent).
   auto fail = [&](Error e, bool lost_completion) {
@@ -1192,6 +1207,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
       wait_announced(link, gen);
       auto req = pending.take(id);
       if (!req) return;
+      req->window = WindowLease();  // closed with its connection (as in on_closed)
       if (lost_completion) o.op->complete_part(std::nullopt);
       if (req->type != proto::MsgType::kJoin && req->resends < config.worker.resend_attempts) {
         ResendJob job;

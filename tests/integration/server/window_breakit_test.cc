@@ -41,15 +41,16 @@ std::vector<std::string> lossy_overrides() {
 // was before write windows: the window of a lost connection can no longer be
 // written (the server process is gone), so nothing justifies waiting longer.
 //
-// DEFECT (02b3f55, worker/worker.cc): the PendingReq moved into the
+// Regression (found in 02b3f55, fixed since; worker/worker.cc): the PendingReq moved into the
 // ResendJob keeps its WindowLease, which counts as a send in flight
 // (Op::send_started); the timer's fail() then does not finish the operation
 // and take_windows_of() cannot find the request (it is not in the pending
 // table). The Handle is done only when run_resend drops the request, i.e.
 // after a whole reconnect cycle (connect_retries with back-off: ~7 s here,
 // ~17 s with the default 20, far more with a long connect_timeout).
-// Fails: "done after 7xxx ms, request_timeout 2000 ms".
-TEST(WindowBreak, DISABLED_AParkedInPlacePullOfAKilledServerIsDoneByRequestTimeout) {
+// Failed then: "done after 7xxx ms, request_timeout 2000 ms". Now on_closed
+// drops the windows of the requests it takes.
+TEST(WindowBreak, AParkedInPlacePullOfAKilledServerIsDoneByRequestTimeout) {
   TempDir dir;
   ClusterSpec spec;
   spec.transport = "shm";
