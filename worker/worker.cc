@@ -787,8 +787,9 @@ void Worker::Impl::timer_loop() {
                                  note)));
       // Its in-place requests are given up: their windows close (a late
       // reply writes nothing, and one being written is waited for), and
-      // then the operation is done.
-      (void)pending.take_windows_of(op.get());
+      // then the operation is done. (Only shm has windows: no scan of the
+      // pending table per timeout over tcp or rdma.)
+      if (kind == transport::Kind::kShm) (void)pending.take_windows_of(op.get());
     }
     lock.lock();
   }
