@@ -273,64 +273,58 @@ TEST_P(TransportTest, PeerMemoryIsWritableOnlyOverShm) {
   // sees the bytes once a message sent after the write has arrived.
   const Mode mode = GetParam();
   WorkerMemoryPair p(mode, "peermem");
-  Inbox& server_in = p.server_in;
-  Inbox& client_in = p.client_in;
-  auto conn = &p.conn;
-  auto& server_conn = p.server_conn;
-  const auto cid = &p.cid;
-  MemfdRegion& client_mem = p.client_mem;
 
   std::vector<std::byte> data(5000);
   testing::fill_pattern(data, 0, 7);
   const std::byte one[1] = {std::byte{1}};
-  Status w = server_conn->write_peer_memory(*cid, 8192, data);
-  const auto* base = static_cast<const std::byte*>(client_mem.region().base);
+  Status w = p.server_conn->write_peer_memory(p.cid, 8192, data);
+  const auto* base = static_cast<const std::byte*>(p.client_mem.region().base);
   if (mode.kind != Kind::kShm) {
     ASSERT_FALSE(w);
     EXPECT_EQ(w.error().code(), ErrorCode::kUnavailable) << w.error().to_string();
-    EXPECT_FALSE((*conn)->write_peer_memory(0, 0, one));  // neither side maps anything
+    EXPECT_FALSE(p.conn->write_peer_memory(0, 0, one));  // neither side maps anything
   } else {
     ASSERT_TRUE(w) << w.error().to_string();
     const std::byte note[4] = {};
-    ASSERT_TRUE(server_conn->send(0, std::span<const std::byte>(note)));
-    ASSERT_TRUE(server_conn->flush(0));
-    ASSERT_TRUE(client_in.wait_count(0, 1));
+    ASSERT_TRUE(p.server_conn->send(0, std::span<const std::byte>(note)));
+    ASSERT_TRUE(p.server_conn->flush(0));
+    ASSERT_TRUE(p.client_in.wait_count(0, 1));
     EXPECT_FALSE(testing::check_pattern(std::span(base + 8192, 5000), 0, 7).has_value());
     // Streaming stores (for data larger than the cache) land the same bytes.
     testing::fill_pattern(data, 0, 9);
-    ASSERT_TRUE(server_conn->write_peer_memory(*cid, 65536 + 3, data,
+    ASSERT_TRUE(p.server_conn->write_peer_memory(p.cid, 65536 + 3, data,
                                                Connection::PeerCopy::kStream));
-    ASSERT_TRUE(server_conn->send(0, std::span<const std::byte>(note)));
-    ASSERT_TRUE(server_conn->flush(0));
-    ASSERT_TRUE(client_in.wait_count(0, 2));
+    ASSERT_TRUE(p.server_conn->send(0, std::span<const std::byte>(note)));
+    ASSERT_TRUE(p.server_conn->flush(0));
+    ASSERT_TRUE(p.client_in.wait_count(0, 2));
     EXPECT_FALSE(testing::check_pattern(std::span(base + 65536 + 3, 5000), 0, 9).has_value());
 
     // Out of range, past the end, unknown region: errors naming the range.
     std::vector<std::byte> d101(101), d16(16);
-    Status past = server_conn->write_peer_memory(*cid, (std::size_t{4} << 20) - 100, d101);
+    Status past = p.server_conn->write_peer_memory(p.cid, (std::size_t{4} << 20) - 100, d101);
     ASSERT_FALSE(past);
     EXPECT_EQ(past.error().code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(past.error().message().find("outside"), std::string::npos) << past.error().message();
-    Status huge = server_conn->write_peer_memory(*cid, ~std::uint64_t{0}, d16);
+    Status huge = p.server_conn->write_peer_memory(p.cid, ~std::uint64_t{0}, d16);
     ASSERT_FALSE(huge);
     EXPECT_EQ(huge.error().code(), ErrorCode::kInvalidArgument);
-    Status unknown = server_conn->write_peer_memory(*cid + 5, 0, d16);
+    Status unknown = p.server_conn->write_peer_memory(p.cid + 5, 0, d16);
     ASSERT_FALSE(unknown);
     EXPECT_EQ(unknown.error().code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(unknown.error().message().find("no region"), std::string::npos)
         << unknown.error().message();
     // The server registered no memory: the worker maps none of it.
-    EXPECT_FALSE((*conn)->write_peer_memory(0, 0, one));
+    EXPECT_FALSE(p.conn->write_peer_memory(0, 0, one));
   }
-  (*conn)->close();
-  ASSERT_TRUE(client_in.wait_closed());
-  ASSERT_TRUE(server_in.wait_closed());
+  p.conn->close();
+  ASSERT_TRUE(p.client_in.wait_closed());
+  ASSERT_TRUE(p.server_in.wait_closed());
   if (mode.kind == Kind::kShm) {
     // The worker ended the connection: it revoked writes into its memory,
     // and a late write is refused with kClosed, writing nothing.
     const std::byte before = base[0];
     const std::byte other[1] = {static_cast<std::byte>(static_cast<unsigned>(before) ^ 0xFFu)};
-    Status after = server_conn->write_peer_memory(*cid, 0, other);
+    Status after = p.server_conn->write_peer_memory(p.cid, 0, other);
     ASSERT_FALSE(after);
     EXPECT_EQ(after.error().code(), ErrorCode::kClosed) << after.error().to_string();
     EXPECT_EQ(base[0], before);
@@ -343,43 +337,37 @@ TEST_P(TransportTest, WriteWindowsGateEachWriteUntilTheirOwnerClosesThem) {
   // a closed window must find nothing to write into.
   const Mode mode = GetParam();
   WorkerMemoryPair p(mode, "windows");
-  Inbox& server_in = p.server_in;
-  Inbox& client_in = p.client_in;
-  auto conn = &p.conn;
-  auto& server_conn = p.server_conn;
-  const auto cid = &p.cid;
-  MemfdRegion& client_mem = p.client_mem;
 
-  auto w = (*conn)->open_write_window();
+  auto w = p.conn->open_write_window();
   if (mode.kind != Kind::kShm) {
     ASSERT_FALSE(w);
     EXPECT_EQ(w.error().code(), ErrorCode::kUnavailable) << w.error().to_string();
-    (*conn)->close_write_window(1);  // no-op
+    p.conn->close_write_window(1);  // no-op
     return;
   }
   ASSERT_TRUE(w) << w.error().to_string();
   EXPECT_NE(*w, 0u);
-  const auto* base = static_cast<const std::byte*>(client_mem.region().base);
+  const auto* base = static_cast<const std::byte*>(p.client_mem.region().base);
   std::vector<std::byte> data(4096, std::byte{0x5A});
-  ASSERT_TRUE(server_conn->write_peer_memory(*cid, 0, data, Connection::PeerCopy::kCached, *w));
+  ASSERT_TRUE(p.server_conn->write_peer_memory(p.cid, 0, data, Connection::PeerCopy::kCached, *w));
   EXPECT_EQ(base[0], std::byte{0x5A});
-  (*conn)->close_write_window(*w);
+  p.conn->close_write_window(*w);
   // Closed: refused, nothing written.
   std::vector<std::byte> late(4096, std::byte{0x11});
-  Status s = server_conn->write_peer_memory(*cid, 0, late, Connection::PeerCopy::kCached, *w);
+  Status s = p.server_conn->write_peer_memory(p.cid, 0, late, Connection::PeerCopy::kCached, *w);
   ASSERT_FALSE(s);
   EXPECT_EQ(s.error().code(), ErrorCode::kClosed) << s.error().to_string();
   EXPECT_NE(s.error().message().find("write window"), std::string::npos) << s.error().message();
   EXPECT_EQ(base[0], std::byte{0x5A});
   // Closing twice, or an id that was never open, changes nothing.
-  (*conn)->close_write_window(*w);
-  (*conn)->close_write_window(0);
+  p.conn->close_write_window(*w);
+  p.conn->close_write_window(0);
   // Every window can be open at once; one more is refused until one closes.
   // A window reopened on the same entry gets another id, so the old id
   // stays refused.
   std::vector<std::uint32_t> open;
   for (;;) {
-    auto more = (*conn)->open_write_window();
+    auto more = p.conn->open_write_window();
     if (!more) {
       EXPECT_EQ(more.error().code(), ErrorCode::kTooLarge) << more.error().to_string();
       break;
@@ -388,21 +376,21 @@ TEST_P(TransportTest, WriteWindowsGateEachWriteUntilTheirOwnerClosesThem) {
     open.push_back(*more);
   }
   EXPECT_EQ(open.size(), 4096u);
-  (*conn)->close_write_window(open.back());
+  p.conn->close_write_window(open.back());
   open.pop_back();
-  auto again = (*conn)->open_write_window();
+  auto again = p.conn->open_write_window();
   ASSERT_TRUE(again);
   open.push_back(*again);
-  EXPECT_FALSE(server_conn->write_peer_memory(*cid, 0, late, Connection::PeerCopy::kCached, *w));
+  EXPECT_FALSE(p.server_conn->write_peer_memory(p.cid, 0, late, Connection::PeerCopy::kCached, *w));
   EXPECT_EQ(base[0], std::byte{0x5A});
-  for (std::uint32_t id : open) (*conn)->close_write_window(id);
+  for (std::uint32_t id : open) p.conn->close_write_window(id);
   // Without a window a write is gated by the connection only.
-  ASSERT_TRUE(server_conn->write_peer_memory(*cid, 0, late));
+  ASSERT_TRUE(p.server_conn->write_peer_memory(p.cid, 0, late));
   EXPECT_EQ(base[0], std::byte{0x11});
-  (*conn)->close();
-  ASSERT_TRUE(client_in.wait_closed());
-  ASSERT_TRUE(server_in.wait_closed());
-  EXPECT_FALSE((*conn)->open_write_window());
+  p.conn->close();
+  ASSERT_TRUE(p.client_in.wait_closed());
+  ASSERT_TRUE(p.server_in.wait_closed());
+  EXPECT_FALSE(p.conn->open_write_window());
 }
 
 INSTANTIATE_TEST_SUITE_P(All, TransportTest,
