@@ -1,6 +1,8 @@
 // Operation completion state and waiting; see handle.h.
 #include "worker/handle.h"
 
+#include "common/transport/transport.h"
+
 #include <sched.h>
 
 #include <algorithm>
@@ -111,13 +113,24 @@ bool Handle::ready() const {
 
 namespace {
 // Polls op.done_flag for up to min(op.busy_poll, limit); true when it is set.
-bool poll_done(const worker_detail::Op& op, std::chrono::nanoseconds limit) {
+// Over shm it consumes the request's connection meanwhile
+// (transport::Connection::poll), so the reply need not wait for the worker's
+// I/O thread: on 2 cores that thread shares a core with another busy one,
+// and each hand-over between them was a context switch (several
+// microseconds) on the path of every reply.
+bool poll_done(worker_detail::Op& op, std::chrono::nanoseconds limit) {
   const std::chrono::nanoseconds budget = std::min(op.busy_poll, limit);
   if (budget.count() <= 0) return false;
+  std::shared_ptr<transport::Connection> conn;
+  {
+    std::lock_guard lock(op.mutex);
+    conn = op.progress.lock();
+  }
   const auto end = std::chrono::steady_clock::now() + budget;
   do {
     // acquire pairs with the release store in finish_locked().
     if (op.done_flag.load(std::memory_order_acquire)) return true;
+    if (conn && conn->poll()) continue;
     sched_yield();
   } while (std::chrono::steady_clock::now() < end);
   return op.done_flag.load(std::memory_order_acquire);

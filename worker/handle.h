@@ -71,6 +71,10 @@
 
 namespace ember {
 
+namespace transport {
+class Connection;
+}  // namespace transport
+
 namespace worker_detail {
 
 // Shared completion state. `mutex` also orders a reply's copy into the
@@ -124,6 +128,11 @@ struct Op {
   // wait() polls done_flag this long (with sched_yield()) before it sleeps
   // on `cv` ([communication] busy_poll). Set before the Op is shared.
   std::chrono::nanoseconds busy_poll{0};
+  // The shm connection the request went out on, under `mutex`: while wait()
+  // polls, it consumes that connection's replies itself
+  // (transport::Connection::poll) instead of waiting for the worker's I/O
+  // thread to be scheduled. Empty over tcp and rdma.
+  std::weak_ptr<transport::Connection> progress;
   // What the operation is, for its timeout error (set before it is shared).
   std::string what;
   // Runs under `mutex` just before the operation is marked done, so waiters
@@ -158,7 +167,11 @@ class Handle {
   bool ready() const;
 
   // Blocks until done. The worker's request_timeout bounds the wait: the
-  // operation fails with kTimeout then. Errors: whatever the operation
+  // operation fails with kTimeout then. For up to [communication] busy_poll
+  // it polls before it sleeps; over shm it consumes the replies of the
+  // request's connection meanwhile (any request's, on this thread:
+  // transport::Connection::poll), so a reply does not wait for the worker's
+  // I/O thread to be scheduled. Errors: whatever the operation
   // failed with (the server's code and message, kClosed for a lost
   // connection, kTimeout), kInvalidArgument for an empty Handle.
   Result<std::uint64_t> wait() const;

@@ -1154,6 +1154,10 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
     o.op->fail(conn.error());
     return;
   }
+  if (kind == transport::Kind::kShm) {
+    std::lock_guard lock(o.op->mutex);
+    o.op->progress = *conn;  // wait() consumes replies from it (handle.h)
+  }
   o.header.request_id = o.header.request_id != 0 ? o.header.request_id : new_request_id();
   o.pending.op = o.op;
   o.pending.type = o.header.type;

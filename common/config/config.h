@@ -139,7 +139,9 @@ struct CommunicationConfig {
   std::chrono::nanoseconds flush_interval{0};
   // busy_poll: after its last event, an I/O thread, a shard thread and a
   // worker waiting on a Handle keep polling (with sched_yield()) this long
-  // before they sleep; 0 = sleep at once. 0 .. 10 ms. See
+  // before they sleep; 0 = sleep at once. Over shm the waiting worker thread
+  // consumes its connection's replies itself meanwhile (Handle::wait).
+  // 0 .. 10 ms. See
   // docs/troubleshooting.md#throughput-drops for the trade-off.
   std::chrono::nanoseconds busy_poll{std::chrono::milliseconds(1)};
   // ring_buffer_size: slots per channel ring; a power of two, 2 .. 2^24.

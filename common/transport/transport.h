@@ -214,9 +214,11 @@ struct ConnectionStats {
 class Connection;
 
 // Per-Connection callbacks. Both are required; both run on I/O threads and
-// must not throw.
+// must not throw. (on_message, and send completions, also run on a thread in
+// Connection::poll(), when it is the one that finds the message.)
 struct Handlers {
-  // One call per received message, in order per channel.
+  // One call per received message, in order per channel: never two at once
+  // for one channel.
   std::function<void(Connection& connection, Incoming&& message)> on_message;
   // Exactly once: the Connection is closed. `reason` is kClosed for an orderly
   // close (either side called close()), kTimeout for a silent peer, kIo for a
@@ -295,6 +297,21 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   virtual bool is_closed() const noexcept = 0;
   virtual ConnectionStats stats() const noexcept = 0;
+
+  // Consumes, on the calling thread, what has arrived on this connection's
+  // channels: runs on_message for received messages and the completions of
+  // sends the peer has given back, as the I/O thread would. For a thread
+  // that is about to wait for a reply anyway: it takes the reply itself
+  // instead of waiting for the I/O thread to be scheduled, which on a busy
+  // machine costs a context switch per message (the same idea as a waiting
+  // thread driving progress in UCX, ucp_worker_progress, or polling an RDMA
+  // completion queue). A channel another thread is consuming at the moment
+  // is skipped. Returns true when anything was delivered or completed.
+  // Thread-safe; never blocks (runs the handlers, which must not block).
+  // shm only; tcp and rdma return false (their I/O threads do all of it).
+  // No error: a protocol error found here closes the connection, as on the
+  // I/O thread.
+  virtual bool poll() { return false; }
 
   // One-sided write into the peer's memory: copies `data` to bytes
   // [offset_bytes, +data.size()) of the region the peer registered as

@@ -6,7 +6,12 @@
 //   [128, 256)       head: slots published by the producer (u64, producer writes)
 //   [256, 384)       tail: slots consumed by the consumer (u64, consumer writes)
 //   [384, 512)       consumer_sleeping (u32): the consumer of this lane is, or is
-//                    about to be, asleep on its doorbell eventfd
+//                    about to be, asleep on its doorbell eventfd; the producer
+//                    rings that doorbell after publishing. The consuming side
+//                    may have another thread consume meanwhile
+//                    (Connection::poll): it clears the word while it does,
+//                    then sets it again, fences and re-checks head, waking
+//                    its own I/O thread for what arrived after its last look
 //   [512, 640)       producer_waiting (u32): the producer waits for a free slot
 //                    or a released token; the consumer rings the producer's
 //                    doorbell after freeing one

@@ -642,6 +642,10 @@ class Channel {
   }
 
   void start();  // I/O thread
+  // Any thread (ShmConnection::poll): consumes what has arrived, unless
+  // another thread is consuming now. True when anything was delivered or
+  // reclaimed.
+  bool poll_from_caller();
   std::atomic<std::uint64_t>* syscall_counter();
   Status send_small(std::span<const std::byte> bytes, nanoseconds wait);
   Status send_large(Buffer&& payload, SendCompletion&& done, nanoseconds wait, bool lend);
@@ -672,6 +676,13 @@ class Channel {
   void run();            // I/O thread: consume, reclaim, then sleep
   void wait_doorbell();  // I/O thread
   bool has_work() const;
+  // Consumer ownership (rx_owned_): poll_rx, poll_releases and the park
+  // state run only while owning it.
+  bool try_own_rx() { return !rx_owned_.exchange(true, std::memory_order_acquire); }
+  void own_rx() {  // I/O thread: waits out a poll_from_caller (microseconds)
+    while (!try_own_rx()) sched_yield();
+  }
+  void release_rx() { rx_owned_.store(false, std::memory_order_release); }
   bool poll_rx();
   bool poll_releases();
   bool fail_protocol(std::string message);
@@ -707,11 +718,19 @@ class Channel {
   bool stopped_ = false;  // no new sends (closing)
   bool tx_closed_ = false;
 
-  // RX, I/O thread only.
+  // RX: the consumer, i.e. the I/O thread or a thread in poll_from_caller,
+  // whichever owns rx_owned_ (acquire/release: one owner's writes are seen
+  // by the next). The I/O thread also reads torn_down_ and started_ without
+  // owning: only it writes them (under ownership).
+  std::atomic<bool> rx_owned_{false};
   std::uint64_t rx_tail_ = 0;
   Buffer reassembly_;
   std::uint64_t reassembly_filled_ = 0;
   bool torn_down_ = false;
+  // The I/O thread waits on the doorbell (set when it parks, cleared when
+  // the doorbell wakes it); a caller that consumes meanwhile keeps the
+  // peer from ringing and hands back what it leaves (poll_from_caller).
+  bool parked_ = false;
   // Last time run() moved data (busy polling only).
   std::chrono::steady_clock::time_point last_progress_{};
   bool started_ = false;
@@ -762,6 +781,12 @@ class ShmConnection final : public ConnectionCore {
       asio::post(c->context(), [self, c] { c->start(); });
     }
     asio::post(*control_ctx_, [self] { self->start_control(); });
+  }
+
+  bool poll() override {
+    bool any = false;
+    for (auto& ch : channels_) any = ch->poll_from_caller() || any;
+    return any;
   }
 
   Status send(std::uint32_t channel, std::span<const std::byte> bytes, nanoseconds wait) override {
@@ -1211,7 +1236,9 @@ std::atomic<std::uint64_t>* Channel::syscall_counter() { return &conn_->write_sy
 
 void Channel::start() {
   if (torn_down_) return;
+  own_rx();
   started_ = true;
+  release_rx();
   doorbell_ = std::make_unique<Descriptor>(ctx_, doorbell_fd_);
   flush_timer_ = std::make_unique<asio::steady_timer>(ctx_);
   bool armed = false;
@@ -1446,8 +1473,11 @@ void Channel::arm_flush_timer() {
   });
 }
 
+// The lane's words, not rx_tail_: callable without owning the consumer side
+// (poll_rx publishes its tail after each slot).
 bool Channel::has_work() const {
-  return rx_->control().head.value.load(std::memory_order_acquire) != rx_tail_ ||
+  const LaneControl& rc = rx_->control();
+  return rc.head.value.load(std::memory_order_acquire) != rc.tail.value.load(std::memory_order_relaxed) ||
          tx_->control().release_head.value.load(std::memory_order_acquire) !=
              tx_->control().release_tail.value.load(std::memory_order_relaxed);
 }
@@ -1455,10 +1485,20 @@ bool Channel::has_work() const {
 void Channel::run() {
   for (int round = 0;; ++round) {
     if (torn_down_) return;
+    if (!try_own_rx()) {
+      // A thread in poll_from_caller is consuming: look again after it (not
+      // parked: it may leave work behind).
+      sched_yield();
+      post([this] { run(); });
+      return;
+    }
     bool progress = poll_releases();
-    if (torn_down_) return;
-    progress = poll_rx() || progress;
-    if (torn_down_) return;
+    if (!torn_down_) progress = poll_rx() || progress;
+    if (torn_down_) {
+      release_rx();
+      return;
+    }
+    release_rx();
     if (progress) {
       if (options_.busy_poll.count() > 0) last_progress_ = std::chrono::steady_clock::now();
       if (round >= 64) {
@@ -1482,12 +1522,17 @@ void Channel::run() {
       return;
     }
     // Park: flag, fence, re-check (pairs with notify_consumer's fence).
+    // Owning, so that a caller's poll sees parked_ and the flag together.
+    if (!try_own_rx()) continue;  // a caller is consuming: not idle
     rx_->control().consumer_sleeping.value.store(1);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (has_work()) {
       rx_->control().consumer_sleeping.value.store(0);
+      release_rx();
       continue;
     }
+    parked_ = true;
+    release_rx();
     wait_doorbell();
     return;
   }
@@ -1501,7 +1546,10 @@ void Channel::wait_doorbell() {
     std::uint64_t count;
     [[maybe_unused]] ssize_t n = ::read(doorbell_fd_, &count, sizeof count);
     conn_->read_syscalls.fetch_add(1, std::memory_order_relaxed);
+    own_rx();
+    parked_ = false;
     rx_->control().consumer_sleeping.value.store(0);
+    release_rx();
     {
       // A sender may be waiting for a slot or a token the peer just freed.
       std::lock_guard lock(mu_);
@@ -1655,15 +1703,45 @@ bool Channel::poll_rx() {
 
 void Channel::final_drain() {
   if (torn_down_) return;
+  own_rx();
   while (!torn_down_ && poll_rx()) {
   }
   (void)poll_releases();
+  release_rx();
   conn_->channel_drained();
+}
+
+bool Channel::poll_from_caller() {
+  if (!try_own_rx()) return false;
+  if (torn_down_ || !started_) {
+    release_rx();
+    return false;
+  }
+  LaneControl& ctrl = rx_->control();
+  // A parked I/O thread stays parked: while we consume, the peer need not
+  // ring its doorbell (a system call per message on its side).
+  const bool parked = parked_;
+  if (parked) ctrl.consumer_sleeping.value.store(0);
+  bool progress = poll_releases();
+  if (!conn_->failing()) progress = poll_rx() || progress;
+  if (parked) {
+    // Hand back: flag, fence, re-check (as the I/O thread parks). What
+    // arrived after our last look is the I/O thread's: wake it.
+    ctrl.consumer_sleeping.value.store(1);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (has_work() && ctrl.consumer_sleeping.value.exchange(0) != 0) {
+      ring_doorbell(doorbell_fd_, &conn_->write_syscalls);
+    }
+  }
+  release_rx();
+  return progress;
 }
 
 void Channel::teardown(const Error& reason) {
   if (torn_down_) return;
+  own_rx();  // no caller is consuming from here on (poll_from_caller checks)
   torn_down_ = true;
+  release_rx();
   sink_->close();
   sink_.reset();  // live Incoming Buffers hold it (and the peer's lane) on their own
   // We consume no more: a large message the peer published past our tail
