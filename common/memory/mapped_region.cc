@@ -1,6 +1,7 @@
 // Mapping of a peer's pool memfd; see mapped_region.h.
 #include "common/memory/mapped_region.h"
 
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -36,7 +37,15 @@ Result<MappedRegion> MappedRegion::map(int fd, std::size_t length_bytes, bool po
   if (!base) {
     return tl::unexpected(std::move(base.error()).with_context("cannot map a peer's page pool"));
   }
-  return MappedRegion(*base, length_bytes);
+  MappedRegion region(*base, length_bytes);
+  // Not inherited by a child of fork(): the peer counts on this process's
+  // access ending when it exits (the shm transport watches its pidfd before
+  // it reuses memory it lent or that we could write).
+  if (::madvise(*base, length_bytes, MADV_DONTFORK) != 0) {
+    return make_sys_error(errno, "cannot map a peer's page pool: madvise(MADV_DONTFORK) on {} bytes failed",
+                          length_bytes);
+  }
+  return region;
 }
 
 MappedRegion::MappedRegion(MappedRegion&& other) noexcept

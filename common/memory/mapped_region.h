@@ -7,7 +7,9 @@
 // at map time (MAP_POPULATE) so the first read of each page does not fault.
 //
 // Ownership: MappedRegion owns the mapping (unmapped on destruction) but not
-// the fd: the caller may close it right after map() returns.
+// the fd: the caller may close it right after map() returns. The mapping is
+// not inherited across fork() (MADV_DONTFORK): the peer's memory is reachable
+// from this process only, so it is out of reach once this process exits.
 // Thread-safety: a MappedRegion is immutable after map(); its const members
 // may be called from any thread. Moving it is not thread-safe.
 #pragma once
@@ -28,7 +30,8 @@ class MappedRegion {
   //   kInvalidArgument: fd < 0, length_bytes == 0 or not a multiple of 4 KiB,
   //                     or the file is shorter than length_bytes (a mapping
   //                     past the end would crash on access with SIGBUS);
-  //   kIo: fstat or mmap failed (errno kept; e.g. EBADF for a closed fd).
+  //   kIo: fstat, mmap or madvise failed (errno kept; e.g. EBADF for a
+  //        closed fd).
   static Result<MappedRegion> map(int fd, std::size_t length_bytes, bool populate = true);
 
   MappedRegion(MappedRegion&& other) noexcept;

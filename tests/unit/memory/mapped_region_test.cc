@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -125,6 +126,29 @@ TEST(MappedRegion, MoveTransfersTheMapping) {
   EXPECT_EQ(assigned.base(), base);
   pool->base()[7] = std::byte{9};
   EXPECT_EQ(assigned.base()[7], std::byte{9});
+}
+
+TEST(MappedRegion, AChildOfForkDoesNotInheritThePeersMemory) {
+  // The shm transport gives lent memory back when the peer's process exits
+  // (its pidfd): a child the peer forked must not keep a way in.
+  auto pool = make_pool(1);
+  ASSERT_NE(pool, nullptr);
+  auto r = MappedRegion::map(pool->fd(), pool->length_bytes());
+  ASSERT_TRUE(r.has_value()) << r.error().to_string();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // msync on an address range that is not mapped fails with ENOMEM.
+    const bool mapped = ::msync(r->base(), 4096, MS_ASYNC) == 0;
+    const bool pool_mapped = ::msync(pool->base(), 4096, MS_ASYNC) == 0;
+    ::_exit(mapped ? 1 : (pool_mapped ? 0 : 2));
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_NE(WEXITSTATUS(status), 1) << "the child still maps the peer's pool";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child lost its own pool's mapping too (unexpected)";
+  EXPECT_EQ(::msync(r->base(), 4096, MS_ASYNC), 0) << "the parent's mapping is gone";
 }
 
 }  // namespace
