@@ -426,7 +426,9 @@ struct Worker::Impl {
 
   // ---- I/O callbacks ----
   // Per connection: a reply header whose payload is the next message on its
-  // channel (payload-follows). Each slot is used by its channel's I/O thread only.
+  // channel (payload-follows). Each slot is used by its channel's consumer
+  // only: the I/O thread, or a thread in Connection::poll (Handle::wait),
+  // which owns the channel's receive side meanwhile (one at a time).
   struct FollowState {
     std::vector<std::optional<proto::Header>> slots;
     std::uint64_t gen = 0;  // the connection's generation

@@ -96,6 +96,18 @@
 // not mix pipelined and direct requests of one key before a flush (a direct
 // one overtakes those still queued).
 //
+// When a push is done. Over shm a gradient in pool memory larger than a
+// batch is not copied: the server reads it in place and gives the block back
+// once it has used it, and the push's Handle is done only then (the caller
+// may not change the block before). Under bsp the server uses it when the
+// round completes, i.e. when every worker has pushed that key's step. So a
+// worker that waits for a large push before it issues its next one can stall
+// its peers: rank 0 waits on key A while rank 1 waits on key B, each round
+// needing the other's next push (until request_timeout). Issue every push
+// of a step, then wait (as a training step does; pipeline() and push_pull
+// work the same way), or wait on the pull that follows. Over tcp, and for
+// small gradients, a push is done when the server has received it.
+//
 // pipeline() returns a scope for many small tensors: enqueue() from any
 // thread puts the request in its channel's MPSC ring without sending;
 // flush() (and leaving the scope) hands everything queued to the transport,
