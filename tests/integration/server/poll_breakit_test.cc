@@ -33,11 +33,11 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-#include <spdlog/sinks/base_sink.h>
 
 #include "common/base/logging.h"
 
 #include "tests/integration/server/harness.h"
+#include "tests/integration/server/log_watch.h"
 #include "tests/integration/server/workers.h"
 #include "worker/worker.h"
 
@@ -459,43 +459,7 @@ TEST(PollBreak, ServerKilledWhileThreadsPoll) {
   EXPECT_LT(ms_since(t0), 8000u + 4000u);
 }
 
-// Collects the worker log's messages; wait_for(text) waits (with a deadline)
-// until one contains `text`.
-class LogWatch : public spdlog::sinks::base_sink<std::mutex> {
- public:
-  bool wait_for(const std::string& text, std::chrono::milliseconds timeout) {
-    std::unique_lock lock(seen_mutex_);
-    return cv_.wait_for(lock, timeout, [&] { return seen_.find(text) != std::string::npos; });
-  }
-
- protected:
-  void sink_it_(const spdlog::details::log_msg& msg) override {
-    {
-      std::lock_guard lock(seen_mutex_);
-      seen_.append(msg.payload.data(), msg.payload.size());
-      seen_ += '\n';
-    }
-    cv_.notify_all();
-  }
-  void flush_() override {}
-
- private:
-  std::mutex seen_mutex_;
-  std::condition_variable cv_;
-  std::string seen_;
-};
-
-// Adds a LogWatch to the "worker" logger for its lifetime. Declared before
-// the Workers (so destroyed after them): spdlog's sink list must not change
-// while another thread logs through it.
-struct WorkerLogWatch {
-  std::shared_ptr<LogWatch> watch = std::make_shared<LogWatch>();
-  std::shared_ptr<spdlog::logger> log = ember::log::logger("worker");
-  WorkerLogWatch() { log->sinks().push_back(watch); }
-  ~WorkerLogWatch() { log->sinks().pop_back(); }
-  WorkerLogWatch(const WorkerLogWatch&) = delete;
-  WorkerLogWatch& operator=(const WorkerLogWatch&) = delete;
-};
+using ember::testing::WorkerLogWatch;
 
 // Threads of rank 0 poll their push_pulls of step 1 (parked by bsp until
 // rank 1 pushes) when the server freezes past heartbeat_timeout: the worker

@@ -26,10 +26,10 @@
 #include <fmt/ranges.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <spdlog/sinks/base_sink.h>
 
 #include "common/base/logging.h"
 #include "tests/integration/server/harness.h"
+#include "tests/integration/server/log_watch.h"
 #include "worker/worker.h"
 
 namespace ember::test {
@@ -160,32 +160,10 @@ TEST(WorkerResend, PushPullPendingAcrossAKilledAndRestartedServerCompletesAndIsA
   EXPECT_TRUE(same_bits(p1, q1));
 }
 
-// Lets a test wait (with a deadline) for a line of the "worker" logger.
-class LogWatch : public spdlog::sinks::base_sink<std::mutex> {
- public:
-  bool wait_for(const std::string& text, std::chrono::milliseconds timeout) {
-    std::unique_lock lock(seen_mutex_);
-    return cv_.wait_for(lock, timeout, [&] { return seen_.find(text) != std::string::npos; });
-  }
-
- protected:
-  void sink_it_(const spdlog::details::log_msg& msg) override {
-    {
-      std::lock_guard lock(seen_mutex_);
-      seen_.append(msg.payload.data(), msg.payload.size());
-      seen_ += '\n';
-    }
-    cv_.notify_all();
-  }
-  void flush_() override {}
-
- private:
-  std::mutex seen_mutex_;
-  std::condition_variable cv_;
-  std::string seen_;
-};
+using ember::testing::WorkerLogWatch;
 
 TEST(WorkerResend, ResendToAServerThatKeptItsStateIsDeduplicated) {
+  WorkerLogWatch log_watch;  // before the Workers: see log_watch.h
   TempDir dir;
   ClusterSpec spec;
   spec.num_workers = 2;
@@ -211,15 +189,11 @@ TEST(WorkerResend, ResendToAServerThatKeptItsStateIsDeduplicated) {
   }
   ASSERT_TRUE(recorded) << http_get(server->metrics_address(), "/metrics");
 
-  auto watch = std::make_shared<LogWatch>();
-  auto log = ember::log::logger("worker");
-  log->sinks().push_back(watch);
   // Frozen past heartbeat_timeout (2s): the worker gives the connection up
   // (kTimeout) and re-sends to the same server once it answers again.
   server->process().signal(SIGSTOP);
-  const bool noticed = watch->wait_for("reconnecting to re-send 1 request(s)", 15s);
+  const bool noticed = log_watch.watch->wait_for("reconnecting to re-send 1 request(s)", 15s);
   server->process().signal(SIGCONT);
-  log->sinks().pop_back();
   ASSERT_TRUE(noticed);
   auto r1 = w1->push_pull(kKey, g1, p1).wait();
   ASSERT_TRUE(r1) << r1.error().to_string();
