@@ -51,6 +51,24 @@ std::uint64_t ms_since(Clock::time_point t0) {
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
 }
 
+// Waits on `h` in slices of `slice` (each wait polls the connection) until
+// it is done; counts this thread into `polling` (if given) once a slice
+// passed with the operation still running. False when it is still running
+// `limit_ms` after t0.
+bool poll_until_done(const Handle& h, std::chrono::milliseconds slice, Clock::time_point t0,
+                     std::uint64_t limit_ms, std::atomic<std::uint32_t>* polling = nullptr) {
+  bool counted = false;
+  for (;;) {
+    (void)h.wait_for(slice);
+    if (h.ready()) return true;
+    if (polling != nullptr && !counted) {
+      counted = true;
+      polling->fetch_add(1);
+    }
+    if (ms_since(t0) > limit_ms) return false;
+  }
+}
+
 // The first failure of many threads, kept for the report.
 struct FirstError {
   std::atomic<int> count{0};
@@ -278,13 +296,9 @@ TEST(PollBreak, RequestTimeoutWhileThreadsPollAndLateRepliesAreDropped) {
   const auto t0 = Clock::now();
   on_all(kThreads, [&](std::uint32_t t) {
     Handle h = w0.pull(9, outs[t], 1);
-    for (;;) {
-      (void)h.wait_for(std::chrono::milliseconds(5));  // polls the whole time
-      if (h.ready()) break;
-      if (ms_since(t0) > 15000) {
-        results[t] = "still running after 15 s";
-        return;
-      }
+    if (!poll_until_done(h, std::chrono::milliseconds(5), t0, 15000)) {
+      results[t] = "still running after 15 s";
+      return;
     }
     auto r = h.wait();
     took_ms[t] = ms_since(t0);
@@ -425,18 +439,9 @@ TEST(PollBreak, ServerKilledWhileThreadsPoll) {
   for (std::uint32_t t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       Handle h = w0.pull(4, outs[t].floats(), 1);
-      bool counted = false;
-      for (;;) {
-        (void)h.wait_for(std::chrono::milliseconds(5));
-        if (h.ready()) break;
-        if (!counted) {
-          counted = true;
-          polling.fetch_add(1);
-        }
-        if (ms_since(t0) > 20000) {
-          results[t] = "still running after 20 s";
-          return;
-        }
+      if (!poll_until_done(h, std::chrono::milliseconds(5), t0, 20000, &polling)) {
+        results[t] = "still running after 20 s";
+        return;
       }
       auto r = h.wait();
       results[t] = r ? "ok" : std::string(error_code_name(r.error().code()));
@@ -510,19 +515,9 @@ TEST(PollBreak, ReconnectAndResendWhileThreadsPollCountsEachPushOnce) {
   for (std::uint32_t t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       Handle h = w0.push_pull(key_of(t), g01, out0[t]);
-      bool counted = false;
-      const auto t0 = Clock::now();
-      for (;;) {
-        (void)h.wait_for(std::chrono::milliseconds(5));  // polls the whole time
-        if (h.ready()) break;
-        if (!counted) {
-          counted = true;
-          polling.fetch_add(1);
-        }
-        if (ms_since(t0) > 28000) {
-          results[t] = "still running after 28 s";
-          return;
-        }
+      if (!poll_until_done(h, std::chrono::milliseconds(5), Clock::now(), 28000, &polling)) {
+        results[t] = "still running after 28 s";
+        return;
       }
       auto r = h.wait();
       results[t] = r ? "ok" : r.error().to_string();
@@ -632,19 +627,9 @@ TEST(PollBreak, OneHandleWaitedOnFromManyPollingThreads) {
   std::vector<std::thread> threads;
   for (std::uint32_t t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t, h = pull] {
-      bool counted = false;
-      const auto t0 = Clock::now();
-      for (;;) {
-        (void)h.wait_for(std::chrono::milliseconds(3));
-        if (h.ready()) break;
-        if (!counted) {
-          counted = true;
-          polling.fetch_add(1);
-        }
-        if (ms_since(t0) > 20000) {
-          results[t] = "still running after 20 s";
-          return;
-        }
+      if (!poll_until_done(h, std::chrono::milliseconds(3), Clock::now(), 20000, &polling)) {
+        results[t] = "still running after 20 s";
+        return;
       }
       auto r = h.wait();
       results[t] = r ? "step " + std::to_string(*r) : r.error().to_string();
