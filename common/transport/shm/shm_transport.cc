@@ -1494,11 +1494,8 @@ void Channel::run() {
     }
     bool progress = poll_releases();
     if (!torn_down_) progress = poll_rx() || progress;
-    if (torn_down_) {
-      release_rx();
-      return;
-    }
     release_rx();
+    if (torn_down_) return;
     if (progress) {
       if (options_.busy_poll.count() > 0) last_progress_ = std::chrono::steady_clock::now();
       if (round >= 64) {
