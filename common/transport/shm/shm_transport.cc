@@ -1474,8 +1474,11 @@ void Channel::arm_flush_timer() {
 }
 
 // The lane's words, not rx_tail_: callable without owning the consumer side
-// (poll_rx publishes its tail after each slot).
+// (poll_rx publishes its tail after each slot). A failing connection has
+// none: poll_rx consumes nothing more (what is left in the lane stays there)
+// and its teardown, posted to this thread, must get to run.
 bool Channel::has_work() const {
+  if (conn_->failing()) return false;
   const LaneControl& rc = rx_->control();
   return rc.head.value.load(std::memory_order_acquire) != rc.tail.value.load(std::memory_order_relaxed) ||
          tx_->control().release_head.value.load(std::memory_order_acquire) !=

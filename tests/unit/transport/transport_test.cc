@@ -393,6 +393,50 @@ TEST_P(TransportTest, WriteWindowsGateEachWriteUntilTheirOwnerClosesThem) {
   EXPECT_FALSE(p.conn->open_write_window());
 }
 
+// A receive allocator that fails (pool exhausted) closes the connection that
+// asked, with the allocator's error, on both sides. Over shm the message's
+// remaining fragments are still in the lane when the receiver starts to
+// fail: its I/O thread must not keep looking at them (regression: it spun
+// on them and never ran the teardown, so on_closed never came and
+// ~Transport waited forever).
+TEST_P(TransportTest, FailingReceiveAllocatorClosesTheConnectionWithItsError) {
+  Inbox server_in, client_in;  // before the transports: on_closed may run into them
+  const Mode mode = GetParam();
+  Options so = options_for(mode);
+  std::atomic<int> asked{0};
+  so.receive_allocator = [&asked](std::size_t bytes) -> Result<Buffer> {
+    asked.fetch_add(1);
+    return make_error(ErrorCode::kPoolExhausted, "test allocator: no block of {} bytes", bytes);
+  };
+  auto server_tx = Transport::create(so);
+  ASSERT_TRUE(server_tx);
+  auto client_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(client_tx);
+  auto listener = (*server_tx)->listen(address_for(mode, "allocfail"), {Role::kServer, 0},
+                                       server_in.acceptor(), server_in.handlers());
+  ASSERT_TRUE(listener);
+  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0}, client_in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  // A small message first: accepted before the failure, it is delivered.
+  std::vector<std::byte> small(100);
+  testing::fill_pattern(small, 1, 0);
+  ASSERT_TRUE((*conn)->send(1, small));
+  ASSERT_TRUE((*conn)->flush(1));
+  ASSERT_TRUE(server_in.wait_count(1, 1));
+  // Plain memory of several slots: tcp receives it into an allocated body,
+  // shm in fragments reassembled into one.
+  std::vector<std::byte> big(3u << 20);
+  testing::fill_pattern(big, 1, 1);
+  (void)(*conn)->send(1, big);  // may already see the close
+  (void)(*conn)->flush(1);
+  ASSERT_TRUE(server_in.wait_closed()) << "the receiver never closed after its allocator failed";
+  ASSERT_TRUE(client_in.wait_closed());
+  EXPECT_GE(asked.load(), 1);
+  EXPECT_EQ(server_in.closed_reason()->code(), ErrorCode::kPoolExhausted)
+      << server_in.closed_reason()->to_string();
+  EXPECT_EQ(server_in.count(1), 1u);
+}
+
 INSTANTIATE_TEST_SUITE_P(All, TransportTest,
                          ::testing::Values(Mode{"tcp_writev", Kind::kTcp, ZeroCopy::kWritev},
                                            Mode{"tcp_sendfile", Kind::kTcp, ZeroCopy::kSendfile},
