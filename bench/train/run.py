@@ -203,7 +203,7 @@ def main():
                     help="keep each worker's I/O thread on its training core even when a core "
                          "is spare (the layout before the comm core)")
     ap.add_argument("--max-steps-per-epoch", type=int, default=0)
-    ap.add_argument("--block-rows", type=int, default=32,
+    ap.add_argument("--block-rows", type=int, default=128,
                     help="rows per exchanged weight block (0: whole tensors), worker and baseline")
     args = ap.parse_args()
     if args.reps < 1 or args.epochs < 1 or args.batch_size < 1:
