@@ -203,6 +203,9 @@ class Channel {
   }
   std::byte* take_batch_buffer_locked();
   void write_loop();
+  // Releases dropped entries' payloads and fails their sends with kClosed
+  // (outside mu_: completions are the caller's code).
+  static void fail_dropped(std::deque<TxEntry>& dropped);
   void arm_write_wait();  // I/O thread
   void arm_flush_timer(); // I/O thread
   void on_flush_timer();
@@ -244,6 +247,10 @@ class Channel {
   bool shut_wr_done_ = false;
   bool tx_closed_ = false;        // torn down: nothing more is written
   bool destroy_pending_ = false;  // teardown waits for a system call to return
+  // What teardown dropped while a writer was in a system call: its iovecs
+  // may point into these payloads, so they go back (and their senders hear
+  // kClosed) only once it returned, from write_loop.
+  std::deque<TxEntry> dropped_in_syscall_;
   std::atomic<std::int64_t> last_tx_ns_{0};
 
   // RX state, I/O thread only. bodies_ is declared before decoder_: the
@@ -637,12 +644,14 @@ void Channel::write_loop() {
   const bool on_io = conn_->core().io->on_io_thread();
   std::size_t written_here = 0;
   std::vector<Finished> finished;
+  std::deque<TxEntry> dropped;  // by a teardown during our system call
   std::uint64_t flow_done = 0;
   std::unique_lock lock(mu_);
   for (;;) {
     if (tx_closed_) {
       writer_active_ = false;
       if (destroy_pending_) post([this] { destroy_io_objects(); });
+      dropped.swap(dropped_in_syscall_);
       break;
     }
     if (queue_.empty()) {
@@ -755,6 +764,16 @@ void Channel::write_loop() {
     f.payload.reset();
     if (f.done) f.done(ok_status());
   }
+  fail_dropped(dropped);
+}
+
+void Channel::fail_dropped(std::deque<TxEntry>& dropped) {
+  Error reason(ErrorCode::kClosed, "connection closed before the message was sent");
+  for (TxEntry& e : dropped) {
+    e.payload.reset();
+    if (e.done) std::exchange(e.done, nullptr)(tl::unexpected<Error>(reason));
+  }
+  dropped.clear();
 }
 
 void Channel::arm_write_wait() {
@@ -965,20 +984,19 @@ void Channel::teardown() {
       open_flow_bytes_ = 0;
     }
     dropped.swap(queue_);
+    for (TxEntry& e : dropped) flow_dropped += e.flow_bytes;
     busy = in_syscall_;
     destroy_pending_ = busy;
+    // A writer in sendmsg/sendfile may be reading the head entries' memory:
+    // they go back when its call returns (write_loop), not now.
+    if (busy) dropped_in_syscall_.swap(dropped);
   }
-  for (TxEntry& e : dropped) flow_dropped += e.flow_bytes;
   conn_->flow().release(flow_dropped);
   if (flush_timer_) flush_timer_.reset();
   if (heartbeat_timer_) heartbeat_timer_.reset();
   if (!busy) destroy_io_objects();
   // Release large payloads and tell their senders.
-  Error reason(ErrorCode::kClosed, "connection closed before the message was sent");
-  for (TxEntry& e : dropped) {
-    e.payload.reset();
-    if (e.done) e.done(tl::unexpected<Error>(reason));
-  }
+  fail_dropped(dropped);
   // Give back a partly received body now (not when the Connection object dies).
   decoder_ = make_decoder(decoder_options_);
   if (!finished_) {
