@@ -216,6 +216,9 @@ class Channel {
   void handle_eof();
   void maybe_finish();    // I/O thread
   void destroy_io_objects();  // I/O thread
+  // I/O thread, once per channel: the socket goes and the connection hears
+  // that this channel finished (teardown, or the last writer after it).
+  void finish_teardown();
   void post(std::function<void()> fn);
 
   TcpConnection* conn_;
@@ -246,7 +249,12 @@ class Channel {
   bool goodbye_queued_ = false;
   bool shut_wr_done_ = false;
   bool tx_closed_ = false;        // torn down: nothing more is written
-  bool destroy_pending_ = false;  // teardown waits for a system call to return
+  // Threads inside write_loop(), from entry until the completions it ran
+  // (user code) returned. A teardown that finds one waits for the last to
+  // leave before it closes the socket and counts the channel finished, so
+  // on_closed comes after every completion and ~Transport waits for them.
+  int writers_inside_ = 0;
+  bool finish_pending_ = false;   // teardown waits for writers_inside_ == 0
   // What teardown dropped while a writer was in a system call: its iovecs
   // may point into these payloads, so they go back (and their senders hear
   // kClosed) only once it returned, from write_loop.
@@ -647,10 +655,10 @@ void Channel::write_loop() {
   std::deque<TxEntry> dropped;  // by a teardown during our system call
   std::uint64_t flow_done = 0;
   std::unique_lock lock(mu_);
+  ++writers_inside_;
   for (;;) {
     if (tx_closed_) {
       writer_active_ = false;
-      if (destroy_pending_) post([this] { destroy_io_objects(); });
       dropped.swap(dropped_in_syscall_);
       break;
     }
@@ -765,6 +773,13 @@ void Channel::write_loop() {
     if (f.done) f.done(ok_status());
   }
   fail_dropped(dropped);
+  lock.lock();
+  const bool finish = --writers_inside_ == 0 && finish_pending_;
+  if (finish) finish_pending_ = false;
+  lock.unlock();
+  // The teardown that waited for us: the channel finishes on its I/O thread
+  // (the registry still counts it, so that thread is still running).
+  if (finish) post([this] { finish_teardown(); });
 }
 
 void Channel::fail_dropped(std::deque<TxEntry>& dropped) {
@@ -974,7 +989,7 @@ void Channel::teardown() {
   rx_stopped_ = true;
   std::deque<TxEntry> dropped;
   std::uint64_t flow_dropped = 0;
-  bool busy;
+  bool writers;
   {
     std::lock_guard lock(mu_);
     tx_closed_ = true;
@@ -985,20 +1000,26 @@ void Channel::teardown() {
     }
     dropped.swap(queue_);
     for (TxEntry& e : dropped) flow_dropped += e.flow_bytes;
-    busy = in_syscall_;
-    destroy_pending_ = busy;
     // A writer in sendmsg/sendfile may be reading the head entries' memory:
     // they go back when its call returns (write_loop), not now.
-    if (busy) dropped_in_syscall_.swap(dropped);
+    if (in_syscall_) dropped_in_syscall_.swap(dropped);
+    // A writer (in its system call, or running the completions of what it
+    // wrote) finishes the channel when it leaves write_loop.
+    writers = writers_inside_ > 0;
+    finish_pending_ = writers;
   }
   conn_->flow().release(flow_dropped);
   if (flush_timer_) flush_timer_.reset();
   if (heartbeat_timer_) heartbeat_timer_.reset();
-  if (!busy) destroy_io_objects();
   // Release large payloads and tell their senders.
   fail_dropped(dropped);
   // Give back a partly received body now (not when the Connection object dies).
   decoder_ = make_decoder(decoder_options_);
+  if (!writers) finish_teardown();
+}
+
+void Channel::finish_teardown() {
+  destroy_io_objects();
   if (!finished_) {
     finished_ = true;
     conn_->channel_finished();
