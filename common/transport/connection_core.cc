@@ -196,11 +196,22 @@ void TransportRegistry::wait_no_io_objects() {
 }
 
 void TransportRegistry::add_connection(const std::shared_ptr<ConnectionCore>& connection) {
-  std::lock_guard lock(mu_);
-  // Forget Connections that are gone, so a long-lived server that sees many
-  // reconnects does not keep their (weakly held) control blocks.
-  std::erase_if(connections_, [](const std::weak_ptr<ConnectionCore>& w) { return w.expired(); });
-  connections_.push_back(connection);
+  {
+    std::lock_guard lock(mu_);
+    if (!shutting_down_) {
+      // Forget Connections that are gone, so a long-lived server that sees
+      // many reconnects does not keep their (weakly held) control blocks.
+      std::erase_if(connections_,
+                    [](const std::weak_ptr<ConnectionCore>& w) { return w.expired(); });
+      connections_.push_back(connection);
+      return;
+    }
+  }
+  // shut_down() already failed the Connections it knew of. This one comes
+  // from a handshake that finished meanwhile (its listener's close was
+  // still queued behind it): it closes too, or shut_down() would wait for
+  // its I/O objects forever.
+  connection->fail(Error(ErrorCode::kCancelled, "the transport is shutting down"));
 }
 
 std::vector<std::shared_ptr<ConnectionCore>> TransportRegistry::live_connections() {
@@ -224,6 +235,12 @@ void TransportRegistry::shut_down() {
     closers.swap(listener_closers_);
   }
   for (auto& close_listener : closers) close_listener();
+  {
+    // From here add_connection() fails what it is given (a listener's close
+    // is asynchronous: a handshake on its I/O thread may finish after this).
+    std::lock_guard lock(mu_);
+    shutting_down_ = true;
+  }
   for (auto& c : live_connections()) {
     c->fail(Error(ErrorCode::kCancelled, "the transport is shutting down"));
   }

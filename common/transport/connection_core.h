@@ -184,7 +184,9 @@ class TransportRegistry {
   void io_object_removed();
   void wait_no_io_objects();  // blocks until the count is zero
 
-  // Connections handed to the user (kept weakly).
+  // Connections handed to the user (kept weakly). Once shut_down() began,
+  // the Connection is failed instead (kCancelled), at once: on_closed runs
+  // for it as for the others, and the caller may still hand it out.
   void add_connection(const std::shared_ptr<ConnectionCore>& connection);
   std::vector<std::shared_ptr<ConnectionCore>> live_connections();
 
@@ -203,6 +205,7 @@ class TransportRegistry {
   std::size_t live_io_objects_ = 0;
   std::vector<std::weak_ptr<ConnectionCore>> connections_;
   std::vector<std::function<void()>> listener_closers_;
+  bool shutting_down_ = false;  // shut_down() has taken its list of connections
 };
 
 // ---------------------------------------------------------------------------
