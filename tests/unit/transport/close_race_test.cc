@@ -1,0 +1,233 @@
+// Closes racing the data path, across transports: a Connection that ends
+// (its Transport destroyed, its peer gone) while other threads are inside
+// send() writing inline must still keep transport.h's promises: every
+// accepted send completes exactly once, and before on_closed; nothing of the
+// Connection runs after ~Transport returned. Run these under TSan too
+// (label unit-tsan): the races are the point.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/transport/transport.h"
+#include "tests/unit/transport/transport_test_util.h"
+
+namespace ember::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::Inbox;
+
+// What the sending side saw: completions (each id at most once), whether
+// on_closed had run when each one came, and the close itself.
+struct SenderSide {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int> runs;         // per send id: how many times its completion ran
+  int accepted = 0;              // sends that returned ok
+  int completed = 0;             // completions that ran
+  int completed_after_close = 0; // ... after on_closed had run
+  int closed_calls = 0;
+
+  Handlers handlers() {
+    Handlers h;
+    h.on_message = [](Connection&, Incoming&&) {};
+    h.on_closed = [this](Connection&, const Error&) {
+      std::lock_guard lock(mu);
+      ++closed_calls;
+      cv.notify_all();
+    };
+    return h;
+  }
+  // A new send id and its completion.
+  std::pair<std::size_t, SendCompletion> next() {
+    std::lock_guard lock(mu);
+    const std::size_t id = runs.size();
+    runs.push_back(0);
+    return {id, [this, id](const Status&) {
+              std::lock_guard done_lock(mu);
+              ++runs[id];
+
+              ++completed;
+              if (closed_calls > 0) ++completed_after_close;
+              cv.notify_all();
+            }};
+  }
+  void count_accepted() {
+    std::lock_guard lock(mu);
+    ++accepted;
+    cv.notify_all();
+  }
+  bool wait_in_flight_below(int n, std::chrono::milliseconds timeout = 20s) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, timeout, [&] { return accepted - completed < n || closed_calls > 0; });
+  }
+  bool wait_accepted(int n, std::chrono::milliseconds timeout = 20s) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, timeout, [&] { return accepted >= n; });
+  }
+};
+
+Options tcp_options() {
+  Options o;
+  o.kind = Kind::kTcp;
+  o.num_channels = 1;
+  o.num_io_threads = 1;
+  o.max_message_bytes = std::uint64_t{16} << 20;
+  o.max_queued_bytes = std::uint64_t{64} << 20;
+  // Long: a close in these tests comes from the test, never from a timeout.
+  o.heartbeat_interval = 1s;
+  o.heartbeat_timeout = 30s;
+  return o;
+}
+
+// tcp, inline writes (Options::inline_write_bytes): a sender thread is often
+// inside sendmsg, or running the completions of what it just wrote, when
+// ~Transport tears its Connection down on the I/O thread. What it dropped
+// (or finished) there must complete before on_closed runs, and so before
+// ~Transport returns (regression: a teardown during the caller's system call
+// announced on_closed at once and left the dropped sends' completions, and
+// the socket's close, to the caller thread afterwards).
+TEST(TcpCloseRace, InlineWritersCompleteEverySendBeforeOnClosed) {
+  constexpr int kRounds = 30;
+  // Large messages (over a batch) that the socket buffer takes whole.
+  constexpr std::size_t kPayloadBytes = std::size_t{64} << 10;
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    Inbox server_in;
+    server_in.check_pattern_bytes = false;
+    SenderSide client;
+    auto server_tx = Transport::create(tcp_options());
+    ASSERT_TRUE(server_tx) << server_tx.error().to_string();
+    auto client_tx = Transport::create(tcp_options());
+    ASSERT_TRUE(client_tx) << client_tx.error().to_string();
+    auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
+                                         server_in.handlers());
+    ASSERT_TRUE(listener) << listener.error().to_string();
+    auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0}, client.handlers());
+    ASSERT_TRUE(conn) << conn.error().to_string();
+    std::shared_ptr<Connection> c = *conn;
+
+    std::vector<std::byte> payload(kPayloadBytes);
+    std::thread sender([&] {
+      for (;;) {
+        // At most two in flight: the channel stays idle enough that the
+        // sender, not the I/O thread, makes most writes.
+        if (!client.wait_in_flight_below(2)) break;
+        auto [id, done] = client.next();
+        // Borrowed: the sender spends its time in send(), not filling memory.
+        Buffer b = Buffer::borrow(payload);
+        Status s = c->send(0, std::move(b), std::move(done), 5s);
+        if (!s) break;  // kClosed: the transport is going
+        client.count_accepted();
+      }
+    });
+    // Destroy the client's transport while the sender is busy.
+    EXPECT_TRUE(client.wait_accepted(2 + round % 4));  // (not ASSERT: the sender must be stopped)
+    client_tx->reset();
+    int completed_at_return;
+    {
+      std::lock_guard lock(client.mu);
+      completed_at_return = client.completed;
+      EXPECT_EQ(client.closed_calls, 1) << "on_closed must have run during ~Transport";
+    }
+    sender.join();
+    std::lock_guard lock(client.mu);
+    EXPECT_EQ(client.completed_after_close, 0)
+        << "send completions ran after on_closed (of " << client.completed << ")";
+    EXPECT_EQ(client.completed, completed_at_return) << "completions ran after ~Transport returned";
+    EXPECT_EQ(client.completed, client.accepted) << "every accepted send completes";
+    for (std::size_t id = 0; id < client.runs.size(); ++id) {
+      EXPECT_LE(client.runs[id], 1) << "send " << id << " completed twice";
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+// A listening Transport destroyed while a peer's handshake completes: the
+// Connection its listener makes at that moment (its last handshake handler
+// was already running when ~Transport began) must be closed as well, or
+// ~Transport waits for that Connection's I/O objects forever. The moment of
+// destruction sweeps over the handshake, round by round (a spin on the
+// clock: a chosen delay, not a wait for a condition).
+class AcceptCloseRace : public ::testing::TestWithParam<Kind> {};
+
+TEST_P(AcceptCloseRace, DestroyingTheListeningTransportMidHandshakeNeverHangs) {
+  constexpr int kRounds = 40;
+  const Kind kind = GetParam();
+  Options o = tcp_options();
+  o.kind = kind;
+  o.num_channels = 4;  // more set-up work between handshake and Connection
+  o.connect_timeout = 5s;
+  std::chrono::nanoseconds handshake_time{0};
+  for (int round = -1; round < kRounds; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    Inbox server_in, client_in;
+    server_in.check_pattern_bytes = false;
+    auto server = Transport::create(o);
+    ASSERT_TRUE(server) << server.error().to_string();
+    auto client = Transport::create(o);
+    ASSERT_TRUE(client) << client.error().to_string();
+    std::unique_ptr<Transport> server_tx = std::move(*server);
+    std::unique_ptr<Transport> client_tx = std::move(*client);
+    const std::string where = kind == Kind::kShm
+                                  ? "@ember-accept-race-" + std::to_string(::getpid()) + "-" +
+                                        std::to_string(round)
+                                  : "127.0.0.1:0";
+    auto l = server_tx->listen(where, {Role::kServer, 0}, server_in.acceptor(),
+                               server_in.handlers());
+    ASSERT_TRUE(l) << l.error().to_string();
+    std::unique_ptr<Listener> listener = std::move(*l);
+    const std::string address = listener->address();
+    std::atomic<bool> connecting{false};
+    std::shared_ptr<Connection> conn;
+    const auto start = std::chrono::steady_clock::now();
+    std::thread connector([&] {
+      connecting.store(true);
+      auto c = client_tx->connect(address, {Role::kWorker, 0}, client_in.handlers());
+      if (c) conn = *c;  // may fail: the server goes away meanwhile
+    });
+    if (round < 0) {
+      // Calibration: how long a whole handshake takes here.
+      connector.join();
+      ASSERT_TRUE(conn);
+      ASSERT_TRUE(server_in.wait_accepted(1));
+      handshake_time = std::chrono::steady_clock::now() - start;
+    } else {
+      while (!connecting.load()) std::this_thread::yield();
+      const auto at = start + handshake_time * (round + 1) / kRounds * 5 / 4;
+      while (std::chrono::steady_clock::now() < at) {
+      }
+    }
+    std::promise<void> destroyed;
+    std::future<void> done = destroyed.get_future();
+    std::thread destroyer([&] {
+      listener.reset();
+      server_tx.reset();
+      destroyed.set_value();
+    });
+    if (done.wait_for(10s) != std::future_status::ready) {
+      ADD_FAILURE() << "~Transport hung: a Connection accepted during its shutdown was never "
+                       "closed";
+      // Unblock it: close what the listener handed out (an orderly close
+      // with the live client).
+      std::lock_guard lock(server_in.mu);
+      for (auto& c : server_in.accepted) c->close(0ns);
+    }
+    destroyer.join();
+    if (connector.joinable()) connector.join();
+    client_tx.reset();
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, AcceptCloseRace, ::testing::Values(Kind::kTcp, Kind::kShm),
+                         [](const auto& p) { return std::string(kind_name(p.param)); });
+
+}  // namespace
+}  // namespace ember::transport
