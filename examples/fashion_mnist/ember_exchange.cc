@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <array>
-#include <limits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -114,22 +113,22 @@ Status EmberExchange::resync(std::uint64_t next_step) {
     EMBER_TRY(first);
     to_pull = std::move(again);
   }
-  std::uint64_t min_step = std::numeric_limits<std::uint64_t>::max();
-  std::uint64_t max_step = 0;
-  std::int64_t lost = 0;
+  // The job goes back to the servers' step: the same on every rank,
+  // whatever step each rank was at (ember_exchange.h, "Resync").
+  const auto [min_it, max_it] = std::minmax_element(server_steps.begin(), server_steps.end());
+  const std::uint64_t back_to = *min_it;
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
-    const auto expected = static_cast<std::int64_t>(next_step) + offset_[i];
-    const auto server = static_cast<std::int64_t>(server_steps[i]);
-    lost = std::max(lost, expected - server);
-    offset_[i] = server - static_cast<std::int64_t>(next_step);
-    min_step = std::min(min_step, server_steps[i]);
-    max_step = std::max(max_step, server_steps[i]);
+    offset_[i] = static_cast<std::int64_t>(server_steps[i] - back_to);
   }
+  std::fill(pushed_at_resume_.begin(), pushed_at_resume_.end(), false);
   log::logger("fmnist")->warn(
-      "rank {}: resynced at trainer step {} to the servers' steps {}..{}: {} step(s) of "
-      "gradients lost; the server restarted from an older checkpoint (training goes on from "
-      "its parameters); see docs/troubleshooting.md#out-of-step",
-      worker_->rank(), next_step, min_step, max_step, lost);
+      "rank {}: the servers restarted from a checkpoint of step {} (tensors at steps {}..{}) "
+      "while this rank was at step {}: training goes back to step {} and computes the {} "
+      "step(s) since again; see docs/troubleshooting.md#out-of-step",
+      worker_->rank(), back_to, back_to, *max_it, next_step, back_to,
+      next_step > back_to ? next_step - back_to : 0);
+  next_step_ = back_to;
+  rewind_ = back_to;
   return ok_status();
 }
 

@@ -76,18 +76,28 @@
 // sync, finish_epoch's pulls) fails so, the exchange waits for every other
 // operation in flight (kOutOfStep or success; any other error stays fatal),
 // pulls every tensor at the client's step(key) into its value buffer (the
-// server's parameters), and from then on keeps per key
-//   offset[key] = client step - trainer step
-// (signed; keys restored from one checkpoint can differ by a round), so a
-// push of trainer step s goes out at client step s + offset[key]. It logs
-// one warning per resync (logger "fmnist", level warn) naming the trainer
-// step, the servers' steps (min..max), the steps of gradients lost and the
-// cause, ending with docs/troubleshooting.md#out-of-step. The Trainer's
-// epoch and step counts are untouched: the epoch still ends after its
-// steps; the gradients of the lost steps are simply not in the model. Every
-// worker of a bsp job gets the same refusal and resumes at the same server
-// steps. A pull refused while resyncing (the server restarted again) is
-// fatal.
+// server's parameters) and sends training back to the servers' step s (the
+// smallest over the tensors): take_rewind() returns s, and the Trainer
+// computes steps s, s + 1, ... again (trainer.h, GradientExchange::
+// take_rewind). It logs one warning per resync (logger "fmnist", level
+// warn) naming the checkpoint's step, the tensors' steps (min..max), the
+// step this rank was at and the steps computed again, ending with
+// docs/troubleshooting.md#out-of-step.
+// Why back to s, rather than going on from each rank's own step: under bsp
+// one rank can be a step ahead of another (it has the replies of step t - 1
+// and pushed step t; the other waits for its replies of t - 1, or they were
+// lost with the server), so the ranks' own steps differ; s is the same on
+// every rank. With each rank's own step kept, rank 0's step t would pair
+// with rank 1's t - 1 for the rest of the epoch, and at its end rank 0
+// would wait in the barrier while rank 1 waits for a round rank 0 never
+// joins (a deadlock until request_timeout).
+// Keys restored from one checkpoint can differ by a round (the checkpoint
+// caught a step's rounds half done); from then on the exchange keeps per
+// key
+//   offset[key] = client step - trainer step  (server step(key) - s, >= 0)
+// so a push of trainer step t goes out at client step t + offset[key]: the
+// same pairing on every rank. A pull refused while resyncing (the server
+// restarted again) is fatal.
 //
 // Buffers. Bind the model to page-pool memory (bind_pool_buffers) so that
 // gradients leave without a copy (tcp: gathered write; shm: by reference).
@@ -106,6 +116,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/base/error.h"
@@ -177,7 +188,7 @@ class EmberExchange final : public GradientExchange {
 
   // Waits for the push_pull of each tensor still in flight. A kOutOfStep
   // reply resyncs (file comment) and returns OK with the server's
-  // parameters in the value buffers. Errors: the operation's (kWorkerLost,
+  // parameters in the value buffers and take_rewind() set. Errors: the operation's (kWorkerLost,
   // kStale, kTimeout, kClosed, ...) naming the tensor and step; kInternal
   // when the reply says the server is behind `step`; the resync pulls'
   // errors (kOutOfStep included), naming the tensor.
@@ -202,6 +213,11 @@ class EmberExchange final : public GradientExchange {
   // barrier completed in a generation that is neither (the servers
   // restarted, and their barrier count with them).
   Status finish_epoch(std::uint32_t epoch) override;
+
+  // After a resync (file comment): the servers' step to go back to, once.
+  std::optional<std::uint64_t> take_rewind() override {
+    return std::exchange(rewind_, std::nullopt);
+  }
 
   // Tensors registered by start() (2 per layer).
   std::size_t num_tensors() const { return tensors_.size(); }
@@ -229,7 +245,8 @@ class EmberExchange final : public GradientExchange {
   // is returned).
   Status drain(std::string_view what, bool resync, Status already = ok_status());
   // Nothing in flight: pulls every tensor at the client's step(key), sets
-  // the offsets for trainer step `next_step` and logs the warning.
+  // the rewind and the offsets, and logs the warning (`next_step`: the step
+  // this rank was at).
   Status resync(std::uint64_t next_step);
   // Index of `p` in tensors_, or an error when start() did not register it.
   Result<std::size_t> index_of(const Parameter& p) const;
@@ -245,6 +262,8 @@ class EmberExchange final : public GradientExchange {
   std::vector<InFlight> in_flight_;
   // Per tensor: client step - trainer step (0 until a resync).
   std::vector<std::int64_t> offset_;
+  // Set by resync until take_rewind() returns it.
+  std::optional<std::uint64_t> rewind_;
   // The trainer step the next gradients_ready will carry (the last one + 1).
   std::uint64_t next_step_ = 0;
   // Rejoin: the step start() resumed at, and per tensor whether the servers

@@ -140,6 +140,23 @@ Status Trainer::start() {
   return ok_status();
 }
 
+Result<std::optional<std::size_t>> Trainer::rewind_to(std::uint64_t target, std::uint32_t epoch) {
+  if (target > step_) {
+    return make_error(ErrorCode::kInternal,
+                      "trainer: the gradient exchange went to step {} from step {}, forward (a "
+                      "rewind goes back to an earlier state of the job)",
+                      target, step_);
+  }
+  const std::uint64_t n = steps_per_epoch();
+  const std::uint64_t epoch_first = static_cast<std::uint64_t>(epoch - 1) * n;
+  redo_until_ = std::max(redo_until_, step_);
+  step_ = target;
+  if (target >= epoch_first) return static_cast<std::size_t>(target - epoch_first);
+  epoch_ = static_cast<std::uint32_t>(target / n);
+  first_step_ = static_cast<std::size_t>(target % n);
+  return std::optional<std::size_t>();
+}
+
 Result<EpochStats> Trainer::run_epoch() {
   EMBER_CHECK_MSG(started_, "Trainer::run_epoch before start");
   const std::uint32_t epoch = ++epoch_;
@@ -163,10 +180,16 @@ Result<EpochStats> Trainer::run_epoch() {
     send_seconds += dt;
     return s;
   };
+  // Set when the exchange went back (take_rewind) while forward awaited a
+  // tensor: the forward stops there, and the step with it.
+  std::optional<std::uint64_t> rewind;
   const TensorsFn before_read = [&](std::span<const Parameter> tensors) -> Status {
     const Clock::time_point t0 = Clock::now();
     Status s = exchange_->await_parameters(current_step, tensors);
     exchange_seconds += seconds_between(t0, Clock::now());
+    if (s && (rewind = exchange_->take_rewind())) {
+      return make_error(ErrorCode::kCancelled, "the step is abandoned: the exchange went back");
+    }
     return s;
   };
   auto step_error = [&](Error e, std::size_t step_in_epoch) {
@@ -177,53 +200,84 @@ Result<EpochStats> Trainer::run_epoch() {
 
   double loss_sum = 0.0;
   std::size_t correct = 0;
+  std::size_t done = 0;    // steps computed, redone ones included
+  std::size_t redone = 0;  // of which computed again after a rewind
   const Clock::time_point epoch_begin = Clock::now();
-  for (std::size_t s = first; s < steps; ++s) {
-    current_step = step_;
-    const auto batch_indices = std::span<const std::uint32_t>(indices_).subspan(s * batch, batch);
-    gather_batch(*train_, batch_indices, model_->input(batch), labels_);
-    Result<ForwardStats> forwarded =
-        model_->forward(batch, std::span<const std::uint8_t>(labels_).first(batch), before_read);
-    if (!forwarded) return step_error(forwarded.error(), s);
-    const ForwardStats forward = *forwarded;
-    if (!std::isfinite(forward.loss)) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "training diverged: the loss is {} at epoch {} step {}; lower the learning "
-                        "rate",
-                        forward.loss, epoch, s + 1);
+  std::size_t s = first;
+  for (;;) {
+    std::optional<std::uint64_t> back;  // a rewind to apply
+    while (s < steps) {
+      current_step = step_;
+      const auto batch_indices = std::span<const std::uint32_t>(indices_).subspan(s * batch, batch);
+      gather_batch(*train_, batch_indices, model_->input(batch), labels_);
+      Result<ForwardStats> forwarded =
+          model_->forward(batch, std::span<const std::uint8_t>(labels_).first(batch), before_read);
+      if (!forwarded && rewind) {
+        back = std::exchange(rewind, std::nullopt);
+        break;
+      }
+      if (!forwarded) return step_error(forwarded.error(), s);
+      const ForwardStats forward = *forwarded;
+      if (!std::isfinite(forward.loss)) {
+        return make_error(ErrorCode::kInvalidArgument,
+                          "training diverged: the loss is {} at epoch {} step {}; lower the "
+                          "learning rate",
+                          forward.loss, epoch, s + 1);
+      }
+      if (Status st = model_->backward(on_ready); !st) return step_error(st.error(), s);
+      const Clock::time_point t0 = Clock::now();
+      Status finished = exchange_->finish_step(current_step);
+      exchange_seconds += seconds_between(t0, Clock::now());
+      if (!finished) return step_error(finished.error(), s);
+      ++step_;
+      ++done;
+      if (current_step < redo_until_) ++redone;
+      loss_sum += forward.loss;
+      correct += forward.correct;
+      ++s;
+      if (step_callback_) {
+        step_callback_(StepProgress{epoch, s, steps, forward.loss});
+      }
     }
-    if (Status st = model_->backward(on_ready); !st) return step_error(st.error(), s);
-    const Clock::time_point t0 = Clock::now();
-    Status finished = exchange_->finish_step(current_step);
-    exchange_seconds += seconds_between(t0, Clock::now());
-    if (!finished) return step_error(finished.error(), s);
-    ++step_;
-    loss_sum += forward.loss;
-    correct += forward.correct;
-    if (step_callback_) {
-      step_callback_(StepProgress{epoch, s + 1, steps, forward.loss});
+    if (!back) {
+      const Clock::time_point t0 = Clock::now();
+      Status finished = exchange_->sync();
+      // Back from sync (before the barrier): the epoch's end is done again
+      // too, by every rank (none can be past a barrier this rank has not
+      // joined).
+      if (finished) back = exchange_->take_rewind();
+      if (finished && !back) {
+        finished = exchange_->finish_epoch(epoch);
+        // Back from finish_epoch (after the barrier) to this epoch's end:
+        // the values hold its parameters and the epoch is done; the other
+        // ranks may already train the next one.
+        if (finished && (back = exchange_->take_rewind()) && *back == step_) back.reset();
+      }
+      exchange_seconds += seconds_between(t0, Clock::now());
+      if (!finished) {
+        Error e = finished.error();
+        e.with_context(fmt::format("finishing epoch {}", epoch));
+        return tl::unexpected<Error>(std::move(e));
+      }
+      if (!back) break;
     }
-  }
-  {
-    const Clock::time_point t0 = Clock::now();
-    Status finished = exchange_->sync();
-    if (finished) finished = exchange_->finish_epoch(epoch);
-    exchange_seconds += seconds_between(t0, Clock::now());
-    if (!finished) {
-      Error e = finished.error();
-      e.with_context(fmt::format("finishing epoch {}", epoch));
-      return tl::unexpected<Error>(std::move(e));
+    EMBER_ASSIGN_OR_RETURN(const std::optional<std::size_t> at, rewind_to(*back, epoch));
+    if (!at) {
+      stats.abandoned = true;  // run_epoch trains the earlier epoch next
+      break;
     }
+    s = *at;  // steps to compute again, or none: then the epoch's end again
   }
   stats.train_seconds = seconds_between(epoch_begin, Clock::now());
   stats.exchange_seconds = exchange_seconds;
   stats.send_seconds = send_seconds;
-  stats.steps = steps - first;
-  stats.samples = stats.steps * batch;
-  stats.train_loss = stats.steps > 0 ? loss_sum / static_cast<double>(stats.steps) : 0.0;
+  stats.steps = done;
+  stats.redone_steps = redone;
+  stats.samples = done * batch;
+  stats.train_loss = done > 0 ? loss_sum / static_cast<double>(done) : 0.0;
   stats.train_accuracy =
       stats.samples > 0 ? static_cast<double>(correct) / static_cast<double>(stats.samples) : 0.0;
-  stats.test = evaluate();
+  if (!stats.abandoned) stats.test = evaluate();
   return stats;
 }
 
@@ -233,6 +287,7 @@ Result<std::vector<EpochStats>> Trainer::run(
   std::vector<EpochStats> all;
   while (epoch_ < options_.epochs) {
     EMBER_ASSIGN_OR_RETURN(EpochStats stats, run_epoch());
+    if (stats.abandoned) continue;  // that epoch is trained again
     if (on_epoch) on_epoch(stats);
     all.push_back(stats);
   }

@@ -47,7 +47,9 @@ namespace ember::fashion_mnist {
 // tensor (backward order) and finish_step once; after an epoch's last step
 // sync, then finish_epoch. `step` counts from 0 across epochs and is the same
 // on every rank (a rank that rejoined a running job starts at
-// resume_step()).
+// resume_step()). An exchange may send training back to an earlier step
+// (take_rewind): the step in progress is abandoned and the calls go on from
+// that step.
 //
 // Buffer ownership: the Parameter spans are the model's bound buffers,
 // owned by whoever bound them (for a worker: page-pool blocks it allocated).
@@ -119,6 +121,19 @@ class GradientExchange {
     (void)epoch;
     return ok_status();
   }
+
+  // Going back. Asked after each await_parameters, sync and finish_epoch
+  // that returned OK: a value s means the exchange replaced the parameters
+  // with an older state of the job, that of global step s (for a worker:
+  // the servers restarted from a checkpoint of step s), and the value
+  // buffers now hold them. s is at most the step in progress, and every
+  // rank of a job gets the same s, whatever step each was at. The Trainer
+  // abandons the step in progress (or the epoch's end) and continues from
+  // step s: the next calls are step s's (await_parameters(s, ...) in its
+  // forward, then gradients_ready(s, ...)); steps s .. the abandoned one are
+  // computed again, an earlier epoch's end included. Clears what it
+  // returns. Default: never.
+  virtual std::optional<std::uint64_t> take_rewind() { return std::nullopt; }
 };
 
 // The exchange of a single process: applies `optimizer` to each tensor as
@@ -170,6 +185,13 @@ struct EpochStats {
   double exchange_seconds = 0.0;  // of which inside exchange calls (blocked)
   double send_seconds = 0.0;      // of which inside gradients_ready (handing off gradients)
   EvalStats test;                 // after the epoch, on the test set
+  // Steps computed again after the exchange went back (take_rewind); they
+  // are in `steps` and `samples` too (the work done).
+  std::size_t redone_steps = 0;
+  // The exchange went back to a step before this epoch: the epoch was left
+  // unfinished (no evaluation) and the next run_epoch trains that earlier
+  // epoch again. Trainer::run skips such stats.
+  bool abandoned = false;
 
   double samples_per_second() const { return train_seconds > 0 ? samples / train_seconds : 0.0; }
   // Blocked time over step time, in [0, 1].
@@ -229,14 +251,21 @@ class Trainer {
 
   // Trains the next epoch (1, 2, ...) and evaluates on the test set. After
   // a resume, the first epoch trains only its remaining steps, and its
-  // stats (steps, samples, train loss and accuracy) cover those.
-  // Errors: the exchange's (with epoch and step as context), and
-  // kInvalidArgument when the loss becomes NaN or infinite (training
-  // diverged: lower the learning rate). pre: start() succeeded.
+  // stats (steps, samples, train loss and accuracy) cover those. When the
+  // exchange goes back (GradientExchange::take_rewind) to a step s of this
+  // epoch, training continues from s (EpochStats::redone_steps); to an
+  // earlier epoch, it returns stats with `abandoned` set, and the next
+  // run_epoch trains that epoch from s. Errors: the exchange's (with epoch
+  // and step as context); kInvalidArgument when the loss becomes NaN or
+  // infinite (training diverged: lower the learning rate); kInternal when
+  // the exchange goes forward (a rewind past the step in progress).
+  // pre: start() succeeded.
   Result<EpochStats> run_epoch();
 
   // start() if not yet started, then run_epoch() until options.epochs,
-  // calling on_epoch after each. Stops at the first error.
+  // calling on_epoch after each that was not abandoned (an epoch trained
+  // again after a rewind is reported once, when it finishes). Stops at the
+  // first error.
   Result<std::vector<EpochStats>> run(const std::function<void(const EpochStats&)>& on_epoch = {});
 
   // Loss and accuracy of the current parameters on the test set (the first
@@ -250,6 +279,11 @@ class Trainer {
  private:
   Trainer(const TrainerOptions& options, Mlp& model, const Dataset& train, const Dataset& test,
           GradientExchange& exchange, ShardSampler sampler);
+  // Goes back to global step `target` (take_rewind) from step_ during
+  // `epoch`: the step of `epoch` to continue from, or nullopt when `target`
+  // is in an earlier epoch (epoch_ and first_step_ then point at it).
+  // Errors: kInternal when target > step_.
+  Result<std::optional<std::size_t>> rewind_to(std::uint64_t target, std::uint32_t epoch);
 
   TrainerOptions options_;
   Mlp* model_;
@@ -262,6 +296,7 @@ class Trainer {
   std::uint32_t epoch_ = 0;  // last epoch trained
   std::uint64_t step_ = 0;   // steps done, all epochs
   std::size_t first_step_ = 0;  // index of the next epoch's first step (> 0 after a resume)
+  std::uint64_t redo_until_ = 0;  // steps before this were computed once already (rewinds)
   std::optional<ResumePoint> resumed_;
   std::vector<std::uint32_t> indices_;
   std::vector<std::uint32_t> permutation_;

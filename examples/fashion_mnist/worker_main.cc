@@ -30,7 +30,10 @@
 // comm_share is the time the training thread was blocked in Ember calls over
 // the training time (trainer.h); the epoch line also gives its two parts,
 // comm_send_s (inside gradients_ready: handing gradients over) and
-// comm_wait_s (waiting for parameters and at the end of the epoch). Errors go to stderr as one line
+// comm_wait_s (waiting for parameters and at the end of the epoch). After a
+// server restarted from an older checkpoint the epoch line ends with
+// redone_steps=<n> (steps computed again: ember_exchange.h, "Resync"), and an
+// epoch gone back into is printed again when it ends. Errors go to stderr as one line
 //   fmnist-worker rank R: error: <code>: <what failed, with context>
 // Exit status: 0 on success; 1 on any error (data, config, Ember: server
 // absent, timeout, worker lost, ...); CLI11's codes (e.g. 105, 106, 109) for
@@ -278,12 +281,15 @@ class Run {
                                         "train_accuracy={:.4f} test_loss={:.4f} "
                                         "test_accuracy={:.4f} samples_per_s={:.0f} epoch_s={:.2f} "
                                         "eval_s={:.2f} comm_share={:.4f} comm_send_s={:.3f} "
-                                        "comm_wait_s={:.3f}\n",
+                                        "comm_wait_s={:.3f}{}\n",
                                         e.epoch, o_.epochs, e.steps, e.train_loss,
                                         e.train_accuracy, e.test.loss, e.test.accuracy,
                                         e.samples_per_second(), e.train_seconds, e.test.seconds,
                                         e.communication_share(), e.send_seconds,
-                                        e.exchange_seconds - e.send_seconds);
+                                        e.exchange_seconds - e.send_seconds,
+                                        e.redone_steps > 0
+                                            ? fmt::format(" redone_steps={}", e.redone_steps)
+                                            : std::string());
                              std::fflush(stdout);
                            }));
 

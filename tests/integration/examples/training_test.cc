@@ -13,9 +13,10 @@
 // sampler makes the samples identical; only float summation order differs);
 // every failure is a clear message and a non-zero exit: server absent,
 // server killed mid-training, server hung (timeout), a worker lost, a
-// server holding an earlier job, a bad rank. A server killed with -9 and
-// restarted from an older checkpoint: the workers resync (one warning each)
-// and finish the job. A worker killed with -9 under on_worker_loss = "wait"
+// server holding an earlier job, a bad rank. A server killed with -9 while
+// one worker is a step ahead (the other's replies held in a TcpProxy) and
+// restarted from an older checkpoint: both workers go back to the
+// checkpoint's step (one warning each) and finish the job. A worker killed with -9 under on_worker_loss = "wait"
 // and restarted with --rejoin continues from the servers' step and the job
 // finishes; restarted without it, it is told to pass --rejoin. Under
 // "shrink", a rejoining rank whose re-sent push finds its round closed
@@ -23,7 +24,9 @@
 // step with in-process workers).
 #include <gtest/gtest.h>
 
+#include <poll.h>
 #include <sched.h>
+#include <sys/inotify.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,6 +35,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <regex>
@@ -49,6 +53,7 @@
 #include "examples/fashion_mnist/optimizer.h"
 #include "examples/fashion_mnist/trainer.h"
 #include "tests/integration/examples/process.h"
+#include "tests/integration/examples/tcp_proxy.h"
 
 namespace ember::fashion_mnist {
 namespace {
@@ -480,14 +485,52 @@ std::size_t count_of(const std::string& text, const std::string& what) {
   return n;
 }
 
-TEST_F(FmnistJob, ServerRestartedFromAnOlderCheckpointIsResyncedAndTrainingFinishes) {
-  // bsp, periodic checkpoints. After the server is killed with -9 and comes
-  // back on the same address from a checkpoint older than the workers' step,
-  // its first reply to each worker is kOutOfStep: the workers pull its
-  // parameters, go on from its steps and finish the epoch.
+// Waits until the file at `path` makes `done(text)` true, re-reading it
+// each time it is written (inotify, no polling); false at the deadline.
+bool wait_for_file(const std::string& path, const std::function<bool(const std::string&)>& done,
+                   std::chrono::milliseconds timeout) {
+  const int fd = ::inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+  EMBER_CHECK(fd >= 0);
+  EMBER_CHECK(::inotify_add_watch(fd, path.c_str(), IN_MODIFY) >= 0);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool ok = false;
+  for (;;) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    if (done(ss.str())) {
+      ok = true;
+      break;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    pollfd pfd{fd, POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) break;
+    char events[4096];
+    while (::read(fd, events, sizeof events) > 0) {
+    }
+  }
+  ::close(fd);
+  return ok;
+}
+
+TEST_F(FmnistJob, ServerRestartedFromAnOlderCheckpointWhileARankIsAStepAheadResyncsBoth) {
+  // bsp, periodic checkpoints. Worker 1 talks to the server through a proxy
+  // that the test stalls (hold_replies): worker 1 then waits for the replies
+  // of its step j - 1 while worker 0, which has them, computes and pushes
+  // step j and waits for that round: worker 0 is one step ahead. The server
+  // is killed with -9 there and restarted from a checkpoint at least 10
+  // steps older (the newer ones are deleted), worker 1's held replies are
+  // lost with its connections. Each worker's first reply from the restarted
+  // server is kOutOfStep: both must go back to the checkpoint's step (the
+  // same one, whichever step each was at) and finish the epoch together. An
+  // exchange that kept each rank's own step (with an offset) paired worker
+  // 0's step t with worker 1's t - 1, and the job deadlocked at the end of
+  // the epoch.
   const std::string config = write_config(2);
   const std::vector<std::string> checkpoints{"--set", "server.checkpoint_dir=" + path("ckpt"),
-                                             "--set", "server.checkpoint_interval=1s"};
+                                             "--set", "server.checkpoint_interval=1s",
+                                             "--set", "server.checkpoint_keep=100"};
   auto server_argv = [&](const std::string& listen) {
     std::vector<std::string> argv{EMBER_SERVER_BIN, "--config", config, "--listen", listen};
     argv.insert(argv.end(), checkpoints.begin(), checkpoints.end());
@@ -498,53 +541,67 @@ TEST_F(FmnistJob, ServerRestartedFromAnOlderCheckpointIsResyncedAndTrainingFinis
   ASSERT_TRUE(ready.has_value()) << server->stderr_text();
   std::smatch m;
   ASSERT_TRUE(std::regex_search(*ready, m, std::regex("listen=127\\.0\\.0\\.1:([0-9]+)")));
-  port_ = std::stoi(m[1].str());
+  const int server_port = std::stoi(m[1].str());
+  ember::testing::TcpProxy proxy(server_port);
 
   // Reconnects keep trying while the server is down (50 ms .. 1 s apart).
   const std::vector<std::string> args{"--epochs", "1", "--max-steps-per-epoch", "400",
-                                      "--progress-every", "5", "--set",
+                                      "--progress-every", "1", "--set",
                                       "worker.connect_retries=100"};
+  port_ = server_port;
   auto w0 = start_worker(config, 0, args);
+  port_ = proxy.port();
   auto w1 = start_worker(config, 1, args);
 
   // Wait (on worker 0's progress lines) for a checkpoint N written after
-  // training began (so it holds the tensors), then for 10 more steps;
-  // freeze the server and make sure N is still its newest checkpoint (else
-  // take the newer one as N and go on), so that the checkpoint restored
-  // below is at least 10 steps behind the workers. The interval (1 s) is
-  // long next to 10 steps (Debug, loaded machine: ~20 ms each).
+  // training began (so it holds the tensors), then for 10 more steps.
   std::optional<std::uint64_t> before_training;
   std::uint64_t checkpoint = 0;
   std::size_t target = 0;
-  for (;;) {
+  while (checkpoint == 0 || newest_step(*w0) < target) {
     ASSERT_TRUE(w0->wait_line("progress ", kRunTimeout).has_value())
         << "no checkpoint while worker 0 trained; server log:\n"
         << server->stderr_text() << describe(*w0);
-    ASSERT_LT(newest_step(*w0), 380u) << "the job ran out of steps before the kill; server log:\n"
+    ASSERT_LT(newest_step(*w0), 350u) << "the job ran out of steps before the kill; server log:\n"
                                       << server->stderr_text();
     const std::uint64_t newest = newest_checkpoint(server->stderr_text());
     if (!before_training) before_training = newest;
-    if (checkpoint == 0) {
-      if (newest > *before_training) {
-        checkpoint = newest;
-        target = newest_step(*w0) + 10;
-      }
-      continue;
+    if (checkpoint == 0 && newest > *before_training) {
+      checkpoint = newest;
+      target = newest_step(*w0) + 10;
     }
-    if (newest_step(*w0) < target) continue;
-    server->signal(SIGSTOP);
-    if (newest_checkpoint(server->stderr_text()) == checkpoint) break;
-    server->signal(SIGCONT);
-    checkpoint = newest_checkpoint(server->stderr_text());
-    target = newest_step(*w0) + 10;
   }
-  ASSERT_GT(checkpoint, 0u);
-  const std::size_t killed_at = newest_step(*w0);
-  const auto killed = std::chrono::steady_clock::now();
+  // Stall worker 1's replies. Two checkpoint intervals later both workers
+  // are blocked (a step takes milliseconds): worker 1 in step j's forward,
+  // worker 0 in step j + 1's.
+  proxy.hold_replies();
+  const std::uint64_t at_hold = newest_checkpoint(server->stderr_text());
+  ASSERT_TRUE(wait_for_file(
+      path("server.log"),
+      [&](const std::string& log) { return newest_checkpoint(log) >= at_hold + 2; }, kRunTimeout))
+      << server->stderr_text();
   server->signal(SIGKILL);
   ASSERT_TRUE(server->wait_exit(kStartTimeout).has_value());
-
-  Process again(server_argv(fmt::format("127.0.0.1:{}", port_)), path("server-restarted.log"));
+  proxy.drop_all();
+  for (Process* w : {w0.get(), w1.get()}) {
+    while (w->wait_line("progress ", 100ms)) {  // what it printed before it blocked
+    }
+  }
+  const std::size_t step0 = newest_step(*w0);
+  const std::size_t step1 = newest_step(*w1);
+  ASSERT_EQ(step0, step1 + 1) << "worker 0 is not one step ahead of worker 1";
+  // The newer checkpoints are gone: the restart restores N.
+  for (const auto& e : std::filesystem::directory_iterator(path("ckpt"))) {
+    const std::string name = e.path().filename().string();
+    std::smatch seq;
+    if (std::regex_search(name, seq, std::regex("-([0-9]+)\\.ember$")) &&
+        std::stoull(seq[1].str()) > checkpoint) {
+      std::filesystem::remove(e.path());
+    }
+  }
+  const auto killed = std::chrono::steady_clock::now();
+  Process again(server_argv(fmt::format("127.0.0.1:{}", server_port)),
+                path("server-restarted.log"));
   ASSERT_TRUE(again.wait_line("ember-server ready", kStartTimeout).has_value())
       << again.stderr_text();
   EXPECT_NE(again.stderr_text().find(fmt::format("restored checkpoint '{}", path("ckpt"))),
@@ -556,33 +613,37 @@ TEST_F(FmnistJob, ServerRestartedFromAnOlderCheckpointIsResyncedAndTrainingFinis
   for (Process* w : {w0.get(), w1.get()}) {
     ASSERT_EQ(w->wait_exit(kRunTimeout), 0) << describe(*w);
   }
-  // Far less than request_timeout (120 s) after the kill, training of the
-  // remaining ~370 steps included: the refusal comes at once.
+  // Far less than request_timeout (120 s) after the restart, training of the
+  // remaining steps included: the refusal comes at once.
   const auto extra = std::chrono::steady_clock::now() - killed;
   EXPECT_LT(extra, 30s);
+  std::vector<std::string> resumed_at;
   for (Process* w : {w0.get(), w1.get()}) {
     const std::string err = w->stderr_text();
-    EXPECT_EQ(count_of(err, "resynced at trainer step"), 1u) << err;
-    EXPECT_EQ(count_of(err, "the server restarted from an older checkpoint"), 1u) << err;
+    EXPECT_EQ(count_of(err, "the servers restarted from a checkpoint of step"), 1u) << err;
     EXPECT_NE(err.find("docs/troubleshooting.md#out-of-step"), std::string::npos) << err;
     EXPECT_EQ(err.find("fmnist-worker rank"), std::string::npos) << err;
+    std::smatch at;
+    if (std::regex_search(err, at, std::regex("checkpoint of step ([0-9]+)"))) {
+      resumed_at.push_back(at[1].str());
+    }
     const auto result = lines_with(*w, "RESULT ");
     ASSERT_EQ(result.size(), 1u) << describe(*w);
-    // The trainer's bookkeeping is untouched: the epoch has all its steps.
     EXPECT_EQ(field(result[0], "steps"), "400");
     EXPECT_GT(number(result[0], "test_accuracy"), 0.70) << describe(*w);
   }
-  // bsp: both resumed at the same server steps and ended with one model.
+  // Both went back to the same step, at least 10 behind worker 1.
+  ASSERT_EQ(resumed_at.size(), 2u);
+  EXPECT_EQ(resumed_at[0], resumed_at[1]);
+  EXPECT_LE(std::stoul(resumed_at[0]) + 10, step1);
+  // bsp: one model.
   EXPECT_EQ(field(lines_with(*w0, "RESULT ")[0], "test_accuracy"),
             field(lines_with(*w1, "RESULT ")[0], "test_accuracy"));
-  const std::string err0 = w0->stderr_text();
-  const auto at = err0.find("resynced at trainer step");
-  const std::string warning =
-      at == std::string::npos ? "" : err0.substr(at, err0.find('\n', at) - at);
-  std::printf("killed at worker 0 step %zu, checkpoint %llu; %.2f s from the kill to the end; "
-              "worker 0: ...%s\n",
-              killed_at, static_cast<unsigned long long>(checkpoint),
-              std::chrono::duration<double>(extra).count(), warning.c_str());
+  std::printf("checkpoint %llu at step %s; workers at steps %zu and %zu at the kill; %.2f s from "
+              "the restart to the end\n",
+              static_cast<unsigned long long>(checkpoint),
+              resumed_at.empty() ? "?" : resumed_at[0].c_str(), step0, step1,
+              std::chrono::duration<double>(extra).count());
   again.signal(SIGTERM);
   EXPECT_EQ(again.wait_exit(kStartTimeout), 0) << again.stderr_text();
 }

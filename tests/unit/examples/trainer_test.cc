@@ -84,17 +84,39 @@ class RecordingExchange final : public GradientExchange {
     return ok_status();
   }
   Status await_parameters(std::uint64_t step, std::span<const Parameter> tensors) override {
-    if (record_awaits) calls.push_back(fmt::format("await {} {}", step, tensors[0].name));
+    const std::string call = fmt::format("await {} {}", step, tensors[0].name);
+    if (record_awaits) calls.push_back(call);
+    arm_rewind(call);
     return ok_status();
   }
   Status sync() override {
     calls.push_back("sync");
+    arm_rewind("sync");
     return ok_status();
   }
   Status finish_epoch(std::uint32_t epoch) override {
     calls.push_back(fmt::format("epoch {}", epoch));
+    arm_rewind(calls.back());
     return ok_status();
   }
+
+  // Going back: after the `rewind_at`-th call named `rewind_after` (1 for
+  // the first), take_rewind returns `rewind_to` once.
+  std::string rewind_after;
+  int rewind_at = 1;
+  std::uint64_t rewind_to = 0;
+  std::optional<std::uint64_t> take_rewind() override {
+    auto r = armed_;
+    armed_.reset();
+    if (r) calls.push_back(fmt::format("rewind to {}", *r));
+    return r;
+  }
+
+ private:
+  void arm_rewind(const std::string& call) {
+    if (call == rewind_after && --rewind_at == 0) armed_ = rewind_to;
+  }
+  std::optional<std::uint64_t> armed_;
 };
 
 struct Fixture {
@@ -235,6 +257,111 @@ TEST(Trainer, AnExchangeErrorStopsTrainingWithStepContext) {
   EXPECT_EQ(epochs.error().code(), ErrorCode::kWorkerLost);
   EXPECT_THAT(epochs.error().message(), HasSubstr("epoch 1 step 4 (global step 3): peer vanished"));
   EXPECT_EQ(ex.calls.back(), "ready 3 b2");  // nothing after the failing call
+}
+
+// Steps of 3 per epoch, 2 epochs: global steps 0..2 and 3..5.
+std::vector<std::string> steps_calls(std::uint64_t from, std::uint64_t to) {
+  std::vector<std::string> calls;
+  for (std::uint64_t s = from; s < to; ++s) {
+    for (const char* t : {"b2", "W2", "b1", "W1"}) {
+      calls.push_back(fmt::format("ready {} {}", s, t));
+    }
+    calls.push_back(fmt::format("finish {}", s));
+  }
+  return calls;
+}
+
+std::vector<std::string> concat(std::initializer_list<std::vector<std::string>> parts) {
+  std::vector<std::string> all;
+  for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
+struct RewindRun {
+  RecordingExchange ex;
+  std::vector<EpochStats> reported;  // through on_epoch
+  Result<std::vector<EpochStats>> result = std::vector<EpochStats>{};
+  std::uint64_t steps_done = 0;
+};
+
+std::unique_ptr<RewindRun> run_with_rewind(const std::string& after, int at, std::uint64_t to) {
+  Fixture f;
+  auto run = std::make_unique<RewindRun>();
+  run->ex.rewind_after = after;
+  run->ex.rewind_at = at;
+  run->ex.rewind_to = to;
+  Bound m = make_bound(50);
+  TrainerOptions o = small_options(8);
+  o.max_steps_per_epoch = 3;
+  auto trainer = Trainer::create(o, m.model, f.train, f.test, run->ex);
+  EMBER_CHECK(trainer.has_value());
+  run->result = trainer->run([&](const EpochStats& e) { run->reported.push_back(e); });
+  run->steps_done = trainer->steps_done();
+  return run;
+}
+
+TEST(Trainer, ARewindDuringForwardAbandonsTheStepAndRedoesFromTheTarget) {
+  // Back to step 1 while step 2's forward awaits W1 (its first tensor).
+  auto r = run_with_rewind("await 2 W1", 1, 1);
+  ASSERT_TRUE(r->result) << r->result.error().to_string();
+  EXPECT_EQ(r->ex.calls, concat({{"start"}, steps_calls(0, 2), {"rewind to 1"},
+                                 steps_calls(1, 3), {"sync", "epoch 1"}, steps_calls(3, 6),
+                                 {"sync", "epoch 2"}}));
+  ASSERT_EQ(r->reported.size(), 2u);
+  EXPECT_EQ(r->reported[0].steps, 4u);  // 0, 1, then 1 and 2
+  EXPECT_EQ(r->reported[0].redone_steps, 1u);
+  EXPECT_EQ(r->reported[0].samples, 32u);
+  EXPECT_EQ(r->reported[1].steps, 3u);
+  EXPECT_EQ(r->reported[1].redone_steps, 0u);
+  EXPECT_EQ(r->steps_done, 6u);
+}
+
+TEST(Trainer, ARewindIntoAnEarlierEpochTrainsThatEpochAgainAndReportsItOnce) {
+  // Back to step 1 (epoch 1) from epoch 2's end (before its barrier).
+  auto r = run_with_rewind("sync", 2, 1);
+  ASSERT_TRUE(r->result) << r->result.error().to_string();
+  EXPECT_EQ(r->ex.calls,
+            concat({{"start"}, steps_calls(0, 3), {"sync", "epoch 1"}, steps_calls(3, 6),
+                    {"sync", "rewind to 1"}, steps_calls(1, 3), {"sync", "epoch 1"},
+                    steps_calls(3, 6), {"sync", "epoch 2"}}));
+  ASSERT_EQ(r->reported.size(), 3u);
+  EXPECT_EQ(r->reported[0].epoch, 1u);
+  EXPECT_EQ(r->reported[1].epoch, 1u);
+  EXPECT_EQ(r->reported[1].steps, 2u);
+  EXPECT_EQ(r->reported[1].redone_steps, 2u);
+  EXPECT_EQ(r->reported[1].test.samples, 100u);
+  EXPECT_EQ(r->reported[2].epoch, 2u);
+  EXPECT_EQ(r->reported[2].redone_steps, 3u);
+  EXPECT_EQ(r->result->size(), 3u);
+  EXPECT_EQ(r->steps_done, 6u);
+}
+
+TEST(Trainer, ARewindAfterTheBarrierToTheEpochsEndFinishesTheEpoch) {
+  // finish_epoch's pulls went back to where the epoch ends: nothing to redo,
+  // and no second barrier (the other ranks may be in the next epoch).
+  auto r = run_with_rewind("epoch 1", 1, 3);
+  ASSERT_TRUE(r->result) << r->result.error().to_string();
+  EXPECT_EQ(r->ex.calls, concat({{"start"}, steps_calls(0, 3), {"sync", "epoch 1", "rewind to 3"},
+                                 steps_calls(3, 6), {"sync", "epoch 2"}}));
+  EXPECT_EQ(r->reported.size(), 2u);
+}
+
+TEST(Trainer, ARewindAfterTheBarrierToAnEarlierStepRedoesTheStepsAndTheEpochsEnd) {
+  auto r = run_with_rewind("epoch 1", 1, 1);
+  ASSERT_TRUE(r->result) << r->result.error().to_string();
+  EXPECT_EQ(r->ex.calls, concat({{"start"}, steps_calls(0, 3), {"sync", "epoch 1", "rewind to 1"},
+                                 steps_calls(1, 3), {"sync", "epoch 1"}, steps_calls(3, 6),
+                                 {"sync", "epoch 2"}}));
+  ASSERT_EQ(r->reported.size(), 2u);
+  EXPECT_EQ(r->reported[0].steps, 5u);
+  EXPECT_EQ(r->reported[0].redone_steps, 2u);
+}
+
+TEST(Trainer, ARewindPastTheStepInProgressIsAnInternalError) {
+  auto r = run_with_rewind("await 2 W1", 1, 4);
+  ASSERT_FALSE(r->result);
+  EXPECT_EQ(r->result.error().code(), ErrorCode::kInternal);
+  EXPECT_THAT(r->result.error().message(), HasSubstr("went to step 4 from step 2, forward"));
 }
 
 TEST(Trainer, DivergenceIsReported) {
