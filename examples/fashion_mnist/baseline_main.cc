@@ -20,6 +20,7 @@
 
 #include "common/base/error.h"
 #include "common/base/logging.h"
+#include "examples/fashion_mnist/cli.h"
 #include "examples/fashion_mnist/data.h"
 #include "examples/fashion_mnist/mlp.h"
 #include "examples/fashion_mnist/optimizer.h"
@@ -169,15 +170,7 @@ int main(int argc, char** argv) {
     Options o;
     CLI::App app{"Fashion-MNIST MLP (784-256-128-10) trained in one process, without Ember: the "
                  "baseline for the distributed job."};
-    app.add_option("--data-dir", o.data_dir,
-                   "Directory of the gzipped IDX files (Debian package dataset-fashion-mnist)")
-        ->capture_default_str();
-    app.add_option("--batch-size", o.batch_size, "Samples per step")
-        ->capture_default_str()
-        ->check(CLI::Range(std::size_t{1}, std::size_t{60000}));
-    app.add_option("--epochs", o.epochs, "Epochs to train")
-        ->capture_default_str()
-        ->check(CLI::Range(1u, 10000u));
+    fm::add_training_options(app, o, "Samples per step", "Seed of initialisation and shuffle");
     app.add_option("--optimizer", o.optimizer, "sgd (momentum SGD) or adam")
         ->capture_default_str()
         ->check(CLI::IsMember({"sgd", "adam"}));
@@ -192,22 +185,9 @@ int main(int argc, char** argv) {
     app.add_option("--beta1", o.beta1, "Adam beta1")->capture_default_str();
     app.add_option("--beta2", o.beta2, "Adam beta2")->capture_default_str();
     app.add_option("--eps", o.eps, "Adam epsilon")->capture_default_str();
-    app.add_option("--seed", o.seed, "Seed of initialisation and shuffle")->capture_default_str();
-    app.add_option("--max-steps-per-epoch", o.max_steps_per_epoch,
-                   "Stop each epoch after this many steps (0: full epochs)")
-        ->capture_default_str();
-    app.add_option("--block-rows", o.block_rows,
-                   "Rows per weight block exchanged on its own (0: whole tensors; the worker and "
-                   "the baseline must agree for identical arithmetic)")
-        ->capture_default_str();
-    app.add_option("--eval-batch-size", o.eval_batch_size, "Samples per forward when evaluating")
-        ->capture_default_str()
-        ->check(CLI::Range(std::size_t{1}, std::size_t{10000}));
     app.add_option("--save-params", o.save_params,
                    "After training, write the parameters to this file (raw float32, key order, "
                    "as fmnist-worker --save-params)");
-    app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error, critical, off")
-        ->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     ember::log::init_program_logging(o.log_level);
     return train(std::move(o));

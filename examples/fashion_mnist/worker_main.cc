@@ -57,6 +57,7 @@
 #include "common/base/error.h"
 #include "common/base/logging.h"
 #include "common/config/config.h"
+#include "examples/fashion_mnist/cli.h"
 #include "examples/fashion_mnist/data.h"
 #include "examples/fashion_mnist/ember_exchange.h"
 #include "examples/fashion_mnist/mlp.h"
@@ -328,31 +329,12 @@ int main(int argc, char** argv) {
     app.add_option("--rank", o.rank,
                    "This worker's rank (default: $EMBER_WORKER_RANK, else worker.rank)")
         ->check(CLI::Range(std::int64_t{0}, std::int64_t{0xffffffff}));
-    app.add_option("--data-dir", o.data_dir,
-                   "Directory of the gzipped IDX files (Debian package dataset-fashion-mnist)")
-        ->capture_default_str();
+    fm::add_training_options(app, o, "Samples per step on this worker",
+                             "Seed of initialisation and shuffle (same on every worker)");
     app.add_option("--hidden", o.hidden, "Hidden layer widths (same on every worker)")
         ->delimiter(',')
         ->capture_default_str()
         ->check(CLI::Range(std::size_t{1}, std::size_t{65536}));
-    app.add_option("--batch-size", o.batch_size, "Samples per step on this worker")
-        ->capture_default_str()
-        ->check(CLI::Range(std::size_t{1}, std::size_t{60000}));
-    app.add_option("--epochs", o.epochs, "Epochs to train")
-        ->capture_default_str()
-        ->check(CLI::Range(1u, 10000u));
-    app.add_option("--seed", o.seed, "Seed of initialisation and shuffle (same on every worker)")
-        ->capture_default_str();
-    app.add_option("--max-steps-per-epoch", o.max_steps_per_epoch,
-                   "Stop each epoch after this many steps (0: full epochs)")
-        ->capture_default_str();
-    app.add_option("--block-rows", o.block_rows,
-                   "Rows per weight block exchanged on its own (0: whole tensors; the worker and "
-                   "the baseline must agree for identical arithmetic)")
-        ->capture_default_str();
-    app.add_option("--eval-batch-size", o.eval_batch_size, "Samples per forward when evaluating")
-        ->capture_default_str()
-        ->check(CLI::Range(std::size_t{1}, std::size_t{10000}));
     app.add_option("--max-eval-samples", o.max_eval_samples,
                    "Evaluate on the first this many test samples (0: all 10,000)")
         ->capture_default_str();
@@ -368,8 +350,6 @@ int main(int argc, char** argv) {
                  "[server] on_worker_loss must be \"wait\" (or the others failed already)");
     app.add_option("--save-params", o.save_params,
                    "After training, write the parameters to this file (raw float32, key order)");
-    app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error, critical, off")
-        ->capture_default_str();
     app.add_option("--compute-cpu", o.compute_cpu,
                    "Pin the training thread to this CPU (it must be in the taskset mask); the "
                    "I/O threads follow [communication] cpu_affinity, e.g. a spare core")
