@@ -165,7 +165,10 @@ class Channel {
   void start();
 
   // --- TX: any thread ---
-  Status send_small(std::span<const std::byte> bytes, bool control);
+  // `after` (a small message sent as a Buffer): once `bytes` are copied into
+  // the batch, its payload is released and its completion runs, on this
+  // thread and counted as a writer, so on_closed cannot come before it.
+  Status send_small(std::span<const std::byte> bytes, bool control, Finished* after = nullptr);
   Status send_large(Buffer&& payload, SendCompletion&& done);
   Status flush();
   void cork();
@@ -203,6 +206,9 @@ class Channel {
   }
   std::byte* take_batch_buffer_locked();
   void write_loop();
+  // Leaves the writers_inside_ count; the last one out after a teardown
+  // finishes the channel.
+  void leave_writers();
   // Releases dropped entries' payloads and fails their sends with kClosed
   // (outside mu_: completions are the caller's code).
   static void fail_dropped(std::deque<TxEntry>& dropped);
@@ -250,7 +256,8 @@ class Channel {
   bool shut_wr_done_ = false;
   bool tx_closed_ = false;        // torn down: nothing more is written
   // Threads inside write_loop(), from entry until the completions it ran
-  // (user code) returned. A teardown that finds one waits for the last to
+  // (user code) returned, and threads in send_small() from the copy until
+  // the completion of that small message returned. A teardown that finds one waits for the last to
   // leave before it closes the socket and counts the channel finished, so
   // on_closed comes after every completion and ~Transport waits for them.
   int writers_inside_ = 0;
@@ -361,9 +368,7 @@ class TcpConnection final : public ConnectionCore {
       std::memcpy(copy.data(), bytes.data(), bytes.size());
       return send(channel, std::move(copy), {}, wait);
     }
-    uncork_if_full(bytes.size());
-    EMBER_TRY(flow().acquire(bytes.size(), wait, !core_->io->on_io_thread()));
-    return channels_[channel]->send_small(bytes, /*control=*/false);
+    return send_copy(channel, bytes, wait, nullptr);
   }
 
   Status send(std::uint32_t channel, Buffer&& payload, SendCompletion done,
@@ -371,14 +376,25 @@ class TcpConnection final : public ConnectionCore {
     Buffer owned = std::move(payload);  // released on every error path below
     EMBER_TRY(check_send(channel, owned.size()));
     if (owned.size() <= encoder_payload_limit()) {
-      Status s = send(channel, std::span<const std::byte>(owned.data(), owned.size()), wait);
-      owned.reset();
-      if (s && done) done(ok_status());
-      return s;
+      // Copied into the batch; the channel then releases the payload and
+      // runs `done` before it can finish (on an error both are dropped here,
+      // `done` not run).
+      Finished after{std::move(owned), std::move(done)};
+      const std::span<const std::byte> bytes(after.payload.data(), after.payload.size());
+      return send_copy(channel, bytes, wait, &after);
     }
     uncork_if_full(owned.size());
     EMBER_TRY(flow().acquire(owned.size(), wait, !core_->io->on_io_thread()));
     return channels_[channel]->send_large(std::move(owned), std::move(done));
+  }
+
+  // A small message: copied into the channel's batch (see Channel::send_small
+  // for `after`).
+  Status send_copy(std::uint32_t channel, std::span<const std::byte> bytes,
+                   std::chrono::nanoseconds wait, Finished* after) {
+    uncork_if_full(bytes.size());
+    EMBER_TRY(flow().acquire(bytes.size(), wait, !core_->io->on_io_thread()));
+    return channels_[channel]->send_small(bytes, /*control=*/false, after);
   }
 
   // Before waiting for room under max_queued_bytes: corked channels hold
@@ -519,7 +535,7 @@ void Channel::add_item_locked(std::span<const std::byte> bytes, std::uint32_t fl
   }
 }
 
-Status Channel::send_small(std::span<const std::byte> bytes, bool control) {
+Status Channel::send_small(std::span<const std::byte> bytes, bool control, Finished* after) {
   std::unique_lock lock(mu_);
   if (tx_closed_ || goodbye_queued_) {
     lock.unlock();
@@ -541,11 +557,18 @@ Status Channel::send_small(std::span<const std::byte> bytes, bool control) {
     arm_timer = true;
   }
   const bool must_write = claim_writer_locked();
+  // Counted from here: a teardown from now on waits for `after` to be done.
+  if (after != nullptr) ++writers_inside_;
   lock.unlock();
   if (arm_timer) {
     post([this] { arm_flush_timer(); });
   }
   if (must_write) write_loop();
+  if (after != nullptr) {
+    after->payload.reset();
+    if (after->done) std::exchange(after->done, nullptr)(ok_status());
+    leave_writers();
+  }
   return ok_status();
 }
 
@@ -773,7 +796,11 @@ void Channel::write_loop() {
     if (f.done) f.done(ok_status());
   }
   fail_dropped(dropped);
-  lock.lock();
+  leave_writers();
+}
+
+void Channel::leave_writers() {
+  std::unique_lock lock(mu_);
   const bool finish = --writers_inside_ == 0 && finish_pending_;
   if (finish) finish_pending_ = false;
   lock.unlock();
@@ -1004,7 +1031,7 @@ void Channel::teardown() {
     // they go back when its call returns (write_loop), not now.
     if (in_syscall_) dropped_in_syscall_.swap(dropped);
     // A writer (in its system call, or running the completions of what it
-    // wrote) finishes the channel when it leaves write_loop.
+    // wrote or copied) finishes the channel when it leaves (leave_writers).
     writers = writers_inside_ > 0;
     finish_pending_ = writers;
   }

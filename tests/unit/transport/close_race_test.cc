@@ -149,6 +149,68 @@ TEST(TcpCloseRace, InlineWritersCompleteEverySendBeforeOnClosed) {
   }
 }
 
+// tcp, small messages sent as Buffers with a completion: the message is
+// copied into a batch (and, without batching, written inline by the caller)
+// and the completion runs on the caller thread inside send(). A teardown by
+// ~Transport on the I/O thread in the meantime must wait for that
+// completion before on_closed (regression: the completion ran outside the
+// channel's writer count, so on_closed could come first and ~Transport
+// could return before it ran).
+TEST(TcpCloseRace, SmallSendCompletionsComeBeforeOnClosed) {
+  constexpr int kRounds = 60;
+  constexpr int kSenders = 3;
+  constexpr std::size_t kPayloadBytes = 64;  // far below a batch
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    Inbox server_in;
+    server_in.check_pattern_bytes = false;
+    SenderSide client;
+    Options o = tcp_options();
+    o.batching = round % 2 == 0;  // off: every send() writes inline; on: copies into the batch
+    auto server_tx = Transport::create(o);
+    ASSERT_TRUE(server_tx) << server_tx.error().to_string();
+    auto client_tx = Transport::create(o);
+    ASSERT_TRUE(client_tx) << client_tx.error().to_string();
+    auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
+                                         server_in.handlers());
+    ASSERT_TRUE(listener) << listener.error().to_string();
+    auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0}, client.handlers());
+    ASSERT_TRUE(conn) << conn.error().to_string();
+    std::shared_ptr<Connection> c = *conn;
+
+    std::vector<std::thread> senders;
+    for (int t = 0; t < kSenders; ++t) {
+      senders.emplace_back([&] {
+        for (;;) {
+          auto [id, done] = client.next();
+          Buffer b = Buffer::heap(kPayloadBytes);
+          Status s = c->send(0, std::move(b), std::move(done), 5s);
+          if (!s) break;  // kClosed: the transport is going
+          client.count_accepted();
+        }
+      });
+    }
+    EXPECT_TRUE(client.wait_accepted(50 + 10 * round));
+    client_tx->reset();
+    int completed_at_return;
+    {
+      std::lock_guard lock(client.mu);
+      completed_at_return = client.completed;
+      EXPECT_EQ(client.closed_calls, 1) << "on_closed must have run during ~Transport";
+    }
+    for (auto& t : senders) t.join();
+    std::lock_guard lock(client.mu);
+    EXPECT_EQ(client.completed_after_close, 0)
+        << "small-send completions ran after on_closed (of " << client.completed << ")";
+    EXPECT_EQ(client.completed, completed_at_return) << "completions ran after ~Transport returned";
+    EXPECT_EQ(client.completed, client.accepted) << "every accepted send completes";
+    for (std::size_t id = 0; id < client.runs.size(); ++id) {
+      EXPECT_LE(client.runs[id], 1) << "send " << id << " completed twice";
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
 // A listening Transport destroyed while a peer's handshake completes: the
 // Connection its listener makes at that moment (its last handshake handler
 // was already running when ~Transport began) must be closed as well, or
