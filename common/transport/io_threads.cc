@@ -85,9 +85,19 @@ IoThreads::~IoThreads() { stop(); }
 
 bool IoThreads::on_io_thread() const noexcept { return t_current == this; }
 
+void IoThreads::close_gate() noexcept {
+  gate_closed_.store(true, std::memory_order_seq_cst);
+  // Pairs with post()'s release decrement: what those posters queued is in
+  // the contexts before the guards go.
+  while (posting_.load(std::memory_order_seq_cst) != 0) sched_yield();
+}
+
 void IoThreads::join_when_idle() {
   if (stopped_) return;
   stopped_ = true;
+  // Before the guards: a post accepted up to here is in a context whose
+  // thread still runs, and runs it before it leaves.
+  close_gate();
   guards_.clear();
   for (auto& t : threads_) {
     if (t.joinable()) t.join();
@@ -98,6 +108,7 @@ void IoThreads::join_when_idle() {
 void IoThreads::stop() {
   if (stopped_) return;
   stopped_ = true;
+  close_gate();
   guards_.clear();
   for (auto& ctx : contexts_) ctx->stop();
   for (auto& t : threads_) {

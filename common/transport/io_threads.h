@@ -13,8 +13,18 @@
 // a wake-up on the next event (about 40 us on a virtual machine); a polling
 // one sees it at once. The same trade as Linux's SO_BUSY_POLL.
 //
-// Thread-safety: context(i), pick() and on_io_thread() may be called from
-// any thread. stop() must not be called from one of the I/O threads.
+// Posting: work for a context goes through post(), never straight to
+// boost::asio::post, from any thread that is not one of these I/O threads.
+// Once join_when_idle() or stop() began, such a post is refused (false) and
+// its handler destroyed on the caller's thread: queued behind a thread that
+// has already left, it would never run and, holding what owns this object
+// (a Connection, a Listener, their Transport's core), never be freed either.
+// An I/O thread's own posts always go through: it is running, and the owner
+// has closed every I/O object before it joins, so nothing on another context
+// waits for them.
+//
+// Thread-safety: context(i), pick(), post() and on_io_thread() may be called
+// from any thread. stop() must not be called from one of the I/O threads.
 #pragma once
 
 #include <atomic>
@@ -22,10 +32,12 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
 
 #include "common/base/error.h"
 
@@ -50,6 +62,24 @@ class IoThreads {
   }
   // True on any I/O thread of any IoThreads in this process... of this one.
   bool on_io_thread() const noexcept;
+  // Queues `handler` on `ctx` (one of context(i)). False, with the handler
+  // not run and destroyed by the caller, when called off the I/O threads
+  // after join_when_idle() or stop() began (see the top of this file). Never
+  // blocks; thread-safe.
+  template <class Handler>
+  [[nodiscard]] bool post(boost::asio::io_context& ctx, Handler&& handler) {
+    if (on_io_thread()) {
+      boost::asio::post(ctx, std::forward<Handler>(handler));
+      return true;
+    }
+    // Pairs with close_gate(): either it sees this poster counted and waits
+    // until it is done, or this poster sees the gate closed (both seq_cst).
+    posting_.fetch_add(1, std::memory_order_seq_cst);
+    const bool open = !gate_closed_.load(std::memory_order_seq_cst);
+    if (open) boost::asio::post(ctx, std::forward<Handler>(handler));
+    posting_.fetch_sub(1, std::memory_order_release);  // pairs with close_gate's acquire
+    return open;
+  }
   // Lets every context run out of work (no more pending operations or
   // handlers), then joins the threads. The owner first closes every I/O
   // object (sockets, timers) served here, so the contexts drain. Idempotent.
@@ -61,11 +91,16 @@ class IoThreads {
 
  private:
   IoThreads() = default;
+  // Refuses posts from other threads from now on and waits (spinning: a post
+  // takes microseconds) for those already past the check.
+  void close_gate() noexcept;
   using Guard = boost::asio::executor_work_guard<boost::asio::io_context::executor_type>;
   std::vector<std::unique_ptr<boost::asio::io_context>> contexts_;
   std::vector<Guard> guards_;
   std::vector<std::thread> threads_;
   std::atomic<std::uint32_t> next_{0};
+  std::atomic<bool> gate_closed_{false};
+  std::atomic<std::uint32_t> posting_{0};  // threads inside post() past the increment
   bool stopped_ = false;
 };
 

@@ -42,6 +42,15 @@
 // Callbacks must not block for long: while one runs, its channel (and the
 // other channels on that I/O thread) receive nothing, which is also how a
 // slow receiver pushes back on its senders.
+//
+// Lifetimes: a Connection or Listener may outlive its Transport (the user's
+// handles stay valid), but ~Transport closes them all first (on_closed runs
+// with kCancelled during it) and then joins the I/O threads. From then on a
+// Connection refuses work: send() and flush() fail with kClosed, close() does
+// nothing; destroying a Listener does nothing more. A call that races
+// ~Transport either gets its work in before the I/O threads are joined, where
+// it runs, or is refused as above; no work is ever queued for a joined
+// thread (it would never run, and what it holds would leak).
 #pragma once
 
 #include <chrono>
@@ -293,6 +302,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Orderly close: sends what is queued (bounded by `drain`), tells the peer,
   // closes every channel, then on_closed runs with kClosed on both sides.
   // Thread-safe, idempotent, never blocks (the drain is asynchronous).
+  // ~Transport closes every Connection itself (kCancelled, no drain): a
+  // close() concurrent with it or after it adds nothing, and queues nothing
+  // once the I/O threads are being joined (see Lifetimes above).
   virtual void close(std::chrono::nanoseconds drain = std::chrono::seconds(1)) = 0;
 
   virtual bool is_closed() const noexcept = 0;
@@ -368,6 +380,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
 // passed the handshake; a refused peer (wrong token, wrong version, channel
 // count mismatch, garbage) is told why, logged once, and never reaches the
 // user. Destroying the Listener stops accepting; Connections it made live on.
+// It may be destroyed before or after its Transport (after: ~Transport has
+// closed it already and its destruction only frees it). Destroying it:
+// any thread, never blocks.
 class Listener {
  public:
   virtual ~Listener() = default;

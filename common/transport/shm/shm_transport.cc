@@ -776,11 +776,12 @@ class ShmConnection final : public ConnectionCore {
 
   void start() {
     auto self = shared();
+    // Refused only when the Transport is being destroyed meanwhile.
     for (auto& ch : channels_) {
       Channel* c = ch.get();
-      asio::post(c->context(), [self, c] { c->start(); });
+      (void)core_->io->post(c->context(), [self, c] { c->start(); });
     }
-    asio::post(*control_ctx_, [self] { self->start_control(); });
+    (void)core_->io->post(*control_ctx_, [self] { self->start_control(); });
   }
 
   bool poll() override {
@@ -836,8 +837,10 @@ class ShmConnection final : public ConnectionCore {
         goodbye_sent_ = true;
       }
     }
+    // Refused when ~Transport is joining the I/O threads, after it closed
+    // this Connection (on_closed ran with kCancelled): nothing left to do.
     auto self = shared();
-    asio::post(*control_ctx_, [self, drain] {
+    (void)core_->io->post(*control_ctx_, [self, drain] {
       if (self->control_done_) return;
       self->drain_timer_ = std::make_unique<asio::steady_timer>(*self->control_ctx_);
       self->drain_timer_->expires_after(drain);
@@ -1000,11 +1003,12 @@ class ShmConnection final : public ConnectionCore {
   void start_teardown() override {
     revoke_peer_writes();
     auto self = shared();
+    // Never refused: the Transport's shutdown waits for these parts first.
     for (auto& ch : channels_) {
       Channel* c = ch.get();
-      asio::post(c->context(), [self, c] { c->teardown(self->failure_reason()); });
+      (void)core_->io->post(c->context(), [self, c] { c->teardown(self->failure_reason()); });
     }
-    asio::post(*control_ctx_, [self] { self->teardown_control(); });
+    (void)core_->io->post(*control_ctx_, [self] { self->teardown_control(); });
   }
 
   bool is_shared_region(const Buffer& b) const {
@@ -1229,7 +1233,9 @@ class ShmConnection final : public ConnectionCore {
 
 void Channel::post(std::function<void()> fn) {
   auto self = conn_->shared();
-  asio::post(ctx_, [self, fn = std::move(fn)] { fn(); });
+  // Refused only once the channel has long finished (a flush timer armed by
+  // a send that raced the teardown): dropped, with its reference.
+  (void)conn_->core().io->post(ctx_, [self, fn = std::move(fn)] { fn(); });
 }
 
 std::atomic<std::uint64_t>* Channel::syscall_counter() { return &conn_->write_syscalls; }
@@ -1855,11 +1861,13 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   }
   void start() {
     auto self = shared_from_this();
-    asio::post(ctx_, [self] { self->accept_ready(); });
+    (void)core_->io->post(ctx_, [self] { self->accept_ready(); });
   }
+  // Any thread. Refused when the Transport is gone (or going): its shutdown
+  // closed us already.
   void close() {
     auto self = shared_from_this();
-    asio::post(ctx_, [self] { self->close_on_io(); });
+    (void)core_->io->post(ctx_, [self] { self->close_on_io(); });
   }
   const std::string& address() const { return address_; }
   std::uint64_t num_refused() const { return refused_.load(); }

@@ -8,7 +8,10 @@
 //   shared_ptr<TcpConnection>, so a Connection lives while I/O is pending.
 //   Asio I/O objects (sockets, timers, acceptors) are destroyed on their I/O
 //   thread by teardown, which always happens before the Core joins its
-//   threads, so no I/O object outlives its io_context.
+//   threads, so no I/O object outlives its io_context. Work from other
+//   threads goes through IoThreads::post, which refuses it once the threads
+//   are being joined (a close() or a Listener's destruction that comes that
+//   late finds everything closed already; queued, it would leak).
 //
 // Locking: one mutex per channel (TX state: encoder, queue, writer role).
 // The RX state of a channel is touched only by its I/O thread. A writer
@@ -257,9 +260,10 @@ class Channel {
   bool tx_closed_ = false;        // torn down: nothing more is written
   // Threads inside write_loop(), from entry until the completions it ran
   // (user code) returned, and threads in send_small() from the copy until
-  // the completion of that small message returned. A teardown that finds one waits for the last to
-  // leave before it closes the socket and counts the channel finished, so
-  // on_closed comes after every completion and ~Transport waits for them.
+  // the completion of that small message returned. A teardown that finds
+  // one waits for the last to leave before it closes the socket and counts
+  // the channel finished, so on_closed comes after every completion and
+  // ~Transport waits for them.
   int writers_inside_ = 0;
   bool finish_pending_ = false;   // teardown waits for writers_inside_ == 0
   // What teardown dropped while a writer was in a system call: its iovecs
@@ -348,7 +352,8 @@ class TcpConnection final : public ConnectionCore {
     auto self = shared();
     for (auto& ch : channels_) {
       Channel* c = ch.get();
-      asio::post(c->context(), [self, c] { c->start(); });
+      // Refused only when the Transport is being destroyed meanwhile.
+      (void)core_->io->post(c->context(), [self, c] { c->start(); });
     }
   }
 
@@ -421,13 +426,16 @@ class TcpConnection final : public ConnectionCore {
 
   void close(std::chrono::nanoseconds drain) override {
     if (!begin_close()) return;
+    // A refused post: ~Transport is joining the I/O threads, after it closed
+    // this Connection (on_closed ran with kCancelled); nothing is left to do.
     auto self = shared();
     for (auto& ch : channels_) {
       Channel* c = ch.get();
-      asio::post(c->context(), [self, c] { c->begin_goodbye(); });
+      (void)core_->io->post(c->context(), [self, c] { c->begin_goodbye(); });
     }
     // The drain bound: after it, whatever is still open is torn down.
-    arm_drain_timer(channels_[0]->context(), drain);
+    asio::io_context& ctx = channels_[0]->context();
+    (void)core_->io->post(ctx, [self, &ctx, drain] { self->arm_drain_timer(ctx, drain); });
   }
 
   // --- internal, used by Channel ---
@@ -450,7 +458,8 @@ class TcpConnection final : public ConnectionCore {
     auto self = shared();
     for (auto& ch : channels_) {
       Channel* c = ch.get();
-      asio::post(c->context(), [self, c] { c->teardown(); });
+      // Never refused: the Transport's shutdown waits for this channel first.
+      (void)core_->io->post(c->context(), [self, c] { c->teardown(); });
     }
   }
 
@@ -463,7 +472,9 @@ class TcpConnection final : public ConnectionCore {
 
 void Channel::post(std::function<void()> fn) {
   auto self = conn_->shared();
-  asio::post(ctx_, [self, fn = std::move(fn)] { fn(); });
+  // Refused only once the channel has long finished (a flush timer armed by
+  // a send that raced the teardown): dropped, with its reference.
+  (void)conn_->core().io->post(ctx_, [self, fn = std::move(fn)] { fn(); });
 }
 
 void Channel::start() {
@@ -1092,13 +1103,14 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
 
   void start() {
     auto self = shared_from_this();
-    asio::post(ctx_, [self] { self->accept_next(); });
+    (void)core_->io->post(ctx_, [self] { self->accept_next(); });
   }
 
-  // Any thread: stop accepting; pending handshakes are dropped.
+  // Any thread: stop accepting; pending handshakes are dropped. Refused when
+  // the Transport is gone (or going): its shutdown closed us already.
   void close() {
     auto self = shared_from_this();
-    asio::post(ctx_, [self] { self->close_on_io(); });
+    (void)core_->io->post(ctx_, [self] { self->close_on_io(); });
   }
 
   const std::string& address() const { return address_; }
