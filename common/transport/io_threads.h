@@ -88,12 +88,16 @@ class IoThreads {
   // queued are destroyed without running (when the contexts are destroyed).
   // Idempotent.
   void stop();
+  // Refuses post() from other threads from now on and waits (spinning: a
+  // post takes microseconds) for those already past the check. Both calls
+  // above do it first; an owner that still drains its contexts with posts of
+  // its own (boost::asio::post) before stop() calls it once every I/O object
+  // is closed: what others queued before runs ahead of those posts (each
+  // context is FIFO). Idempotent; any thread.
+  void close_gate() noexcept;
 
  private:
   IoThreads() = default;
-  // Refuses posts from other threads from now on and waits (spinning: a post
-  // takes microseconds) for those already past the check.
-  void close_gate() noexcept;
   using Guard = boost::asio::executor_work_guard<boost::asio::io_context::executor_type>;
   std::vector<std::unique_ptr<boost::asio::io_context>> contexts_;
   std::vector<Guard> guards_;

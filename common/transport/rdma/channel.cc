@@ -459,7 +459,9 @@ void Channel::begin_goodbye() {
 void Channel::run_deferred(Deferred& d) {
   if (d.arm_flush_timer) {
     d.arm_flush_timer = false;
-    asio::post(core_.pollers[io_index_]->context(), [self = conn_->shared(), this] {
+    // Refused only once the channel has long finished (a send that raced
+    // the teardown, on a caller thread): dropped, with its reference.
+    (void)core_.io->post(core_.pollers[io_index_]->context(), [self = conn_->shared(), this] {
       std::lock_guard lock(mu_);
       arm_flush_timer();
     });

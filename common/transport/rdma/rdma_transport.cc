@@ -139,7 +139,8 @@ void RdmaConnection::start() {
   auto self = shared();
   for (auto& ch : channels_) {
     Channel* c = ch.get();
-    asio::post(core_->pollers[c->io_index()]->context(), [self, c] {
+    // Refused only when the Transport is being destroyed meanwhile.
+    (void)core_->io->post(core_->pollers[c->io_index()]->context(), [self, c] {
       c->start();
       // A failure before start() could not tear the channels down (set-up
       // owned them then): do it now.
@@ -221,13 +222,17 @@ Status RdmaConnection::flush_all() {
 
 void RdmaConnection::close(std::chrono::nanoseconds drain) {
   if (!begin_close()) return;
+  // A refused post: ~Transport has closed this Connection (kCancelled) and
+  // is stopping the I/O threads; nothing is left to do (queued, it leaked).
   auto self = shared();
   for (auto& ch : channels_) {
     Channel* c = ch.get();
-    asio::post(core_->pollers[c->io_index()]->context(), [self, c] { c->begin_goodbye(); });
+    (void)core_->io->post(core_->pollers[c->io_index()]->context(),
+                          [self, c] { c->begin_goodbye(); });
   }
   // The drain bound: whatever is still open after it is torn down.
-  arm_drain_timer(core_->pollers[channels_[0]->io_index()]->context(), drain);
+  asio::io_context& ctx = core_->pollers[channels_[0]->io_index()]->context();
+  (void)core_->io->post(ctx, [self, &ctx, drain] { self->arm_drain_timer(ctx, drain); });
 }
 
 void RdmaConnection::start_teardown() {
@@ -235,7 +240,8 @@ void RdmaConnection::start_teardown() {
   auto self = shared();
   for (auto& ch : channels_) {
     Channel* c = ch.get();
-    asio::post(core_->pollers[c->io_index()]->context(), [self, c] { c->teardown(); });
+    // Never refused: the Transport's shutdown waits for this channel first.
+    (void)core_->io->post(core_->pollers[c->io_index()]->context(), [self, c] { c->teardown(); });
   }
 }
 
@@ -515,8 +521,8 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
  public:
   ListenerState(std::shared_ptr<Core> core, LocalIdentity self, AcceptHandler on_accept,
                 Handlers handlers)
-      : core_(std::move(core)), self_(self), on_accept_(std::move(on_accept)),
-        handlers_(std::move(handlers)) {}
+      : core_(std::move(core)), cm_ctx_(core_->cm->context()), self_(self),
+        on_accept_(std::move(on_accept)), handlers_(std::move(handlers)) {}
 
   // CM thread.
   Status open(const sockaddr_storage& addr) {
@@ -547,10 +553,11 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
     return ok_status();
   }
 
-  // Any thread.
+  // Any thread. Refused once the Transport is being destroyed: it closed us
+  // already, and its CM thread may be gone (core_->cm is reset).
   void close() {
     auto self = shared_from_this();
-    core_->cm->post([self] { self->close_on_cm(); });
+    (void)core_->io->post(cm_ctx_, [self] { self->close_on_cm(); });
   }
   const std::string& address() const { return address_; }
   std::uint64_t num_refused() const { return refused_.load(std::memory_order_relaxed); }
@@ -760,6 +767,9 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
   }
 
   std::shared_ptr<Core> core_;
+  // The CM thread's context, for close() through the I/O threads' gate
+  // (never touched once the gate is closed: the CmThread may be gone).
+  asio::io_context& cm_ctx_;
   LocalIdentity self_;
   AcceptHandler on_accept_;
   Handlers handlers_;
@@ -780,6 +790,10 @@ class RdmaTransport final : public Transport {
     EMBER_CHECK_MSG(!core_->io->on_io_thread() && !core_->cm->on_thread(),
                     "a Transport must not be destroyed on its I/O or rdma_cm thread");
     core_->shut_down();  // waits until every channel finished
+    // From here other threads queue nothing more for the poller and CM
+    // threads (a close() racing this destructor, a Listener destroyed after
+    // it); what they queued before runs ahead of the posts below.
+    core_->io->close_gate();
     // Every id is gone (channels destroy theirs before they count as
     // finished; listeners closed above, in order on the CM thread).
     run_on_cm(*core_, [] { return 0; });
