@@ -20,8 +20,9 @@
 // has already left, it would never run and, holding what owns this object
 // (a Connection, a Listener, their Transport's core), never be freed either.
 // An I/O thread's own posts always go through: it is running, and the owner
-// has closed every I/O object before it joins, so nothing on another context
-// waits for them.
+// joins only once every I/O object is gone and the last on_closed returned
+// (tcp and shm count a Connection's last part until then), so the handlers
+// still running at the join post nothing to another context.
 //
 // Thread-safety: context(i), pick(), post() and on_io_thread() may be called
 // from any thread. stop() must not be called from one of the I/O threads.

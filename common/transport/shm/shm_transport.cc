@@ -867,8 +867,10 @@ class ShmConnection final : public ConnectionCore {
     // have it overwritten by a peer that stalled mid-copy and woke up.
     if (peer_writes_finished()) {
       release_access();
-      core_->io_object_removed();
       announce_closed();
+      // After on_closed: ~Transport joins the I/O threads once the count is
+      // zero, and what on_closed posts (to any context) must find them.
+      core_->io_object_removed();
       return;
     }
     revoke_deadline_ = Clock::now() + core_->options.heartbeat_timeout;
@@ -1179,8 +1181,8 @@ class ShmConnection final : public ConnectionCore {
       }
       revoke_timer_.reset();
       release_access();
-      core_->io_object_removed();
       announce_closed();
+      core_->io_object_removed();  // after on_closed, as in io_part_finished
       return;
     }
     if (!revoke_timer_) revoke_timer_ = std::make_unique<asio::steady_timer>(*control_ctx_);

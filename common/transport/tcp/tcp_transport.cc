@@ -441,10 +441,14 @@ class TcpConnection final : public ConnectionCore {
   // --- internal, used by Channel ---
   // A channel finished (orderly or torn down). The last one reports.
   void channel_finished() {
+    if (part_finished(channels_.size())) {
+      cancel_drain_timer(channels_[0]->context());
+      announce_closed();
+    }
+    // Last: ~Transport waits for this count before it joins the I/O
+    // threads, so on_closed, and what it posts (to any context), comes
+    // while every thread still runs.
     core_->io_object_removed();
-    if (!part_finished(channels_.size())) return;
-    cancel_drain_timer(channels_[0]->context());
-    announce_closed();
   }
   Core& core() { return *core_; }
   std::size_t encoder_payload_limit() const {

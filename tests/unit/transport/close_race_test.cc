@@ -389,6 +389,72 @@ TEST_P(LateCloseRace, CloseRacingTransportDestructionLeaksNothing) {
   }
 }
 
+// The server stops when its last peer goes: on_closed (on an I/O thread,
+// while ~Transport runs) destroys the Listener. Its close is posted to I/O
+// context 0 from whichever I/O thread ran on_closed; thread 0 must still be
+// there to run it (regression: ~Transport went on to join as soon as the
+// last channel's I/O objects were gone, before its on_closed returned, so
+// an idle thread 0 could leave first and the Listener's state leaked).
+TEST_P(LateCloseRace, ListenerDestroyedByOnClosedDuringTransportDestructionIsFreed) {
+  constexpr int kRounds = 8;
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    Options o = options();
+    o.num_io_threads = 2;  // channel 1, and so perhaps on_closed, on thread 1
+    o.num_channels = 2;
+    Inbox server_in, client_in;
+    server_in.check_pattern_bytes = false;
+    auto token = std::make_shared<int>(0);
+    const std::weak_ptr<int> watch = token;
+    std::mutex mu;
+    std::unique_ptr<Listener> listener;
+    Handlers h = server_in.handlers();
+    h.on_closed = [&, inner = h.on_closed](Connection& c, const Error& e) {
+      inner(c, e);
+      // Long enough for an idle I/O thread to leave, were the threads being
+      // joined already (a spin on the clock: a chosen delay).
+      const auto until = std::chrono::steady_clock::now() + 20ms;
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      std::unique_ptr<Listener> l;
+      {
+        std::lock_guard lock(mu);
+        l = std::move(listener);
+      }
+    };
+    auto server = Transport::create(o);
+    ASSERT_TRUE(server) << server.error().to_string();
+    auto client = Transport::create(o);
+    ASSERT_TRUE(client) << client.error().to_string();
+    auto l = (*server)->listen(where(round), {Role::kServer, 0},
+                               [token, accept = server_in.acceptor()](std::shared_ptr<Connection> c) {
+                                 accept(std::move(c));
+                               },
+                               h);
+    ASSERT_TRUE(l) << l.error().to_string();
+    token.reset();
+    auto conn = (*client)->connect((*l)->address(), {Role::kWorker, 0}, client_in.handlers());
+    ASSERT_TRUE(conn) << conn.error().to_string();
+    ASSERT_TRUE(server_in.wait_accepted(1));
+    {
+      std::lock_guard lock(mu);
+      listener = std::move(*l);
+    }
+    server->reset();
+    {
+      std::lock_guard lock(mu);
+      EXPECT_EQ(listener, nullptr) << "on_closed did not run during ~Transport";
+    }
+    {
+      std::lock_guard lock(server_in.mu);
+      server_in.accepted.clear();
+    }
+    EXPECT_TRUE(watch.expired()) << "the Listener's state (and its Transport's core) leaked";
+    client->reset();
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, LateCloseRace, ::testing::Values(Kind::kTcp, Kind::kShm),
                          [](const auto& p) { return std::string(kind_name(p.param)); });
 
