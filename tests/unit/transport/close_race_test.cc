@@ -71,6 +71,57 @@ struct SenderSide {
     std::unique_lock lock(mu);
     return cv.wait_for(lock, timeout, [&] { return accepted >= n; });
   }
+  // Destroys the sending side's Transport (`client_tx`) while senders run,
+  // then `join_senders()`, and checks transport.h's promises: on_closed ran
+  // during ~Transport, every accepted send completed once, before on_closed,
+  // and none after ~Transport returned.
+  template <class Link, class Join>
+  void check_close_during_transport_destruction(Link& link, Join&& join_senders) {
+    link.client_tx.reset();
+    int completed_at_return;
+    {
+      std::lock_guard lock(mu);
+      completed_at_return = completed;
+      EXPECT_EQ(closed_calls, 1) << "on_closed must have run during ~Transport";
+    }
+    join_senders();
+    std::lock_guard lock(mu);
+    EXPECT_EQ(completed_after_close, 0)
+        << "send completions ran after on_closed (of " << completed << ")";
+    EXPECT_EQ(completed, completed_at_return) << "completions ran after ~Transport returned";
+    EXPECT_EQ(completed, accepted) << "every accepted send completes";
+    for (std::size_t id = 0; id < runs.size(); ++id) {
+      EXPECT_LE(runs[id], 1) << "send " << id << " completed twice";
+    }
+  }
+};
+
+// A tcp Transport pair and one Connection from `side`'s transport to the
+// other's listener. open() ASSERTs (use ASSERT_NO_FATAL_FAILURE).
+struct TcpLink {
+  Inbox server_in;
+  std::unique_ptr<Transport> server_tx;
+  std::unique_ptr<Transport> client_tx;
+  std::unique_ptr<Listener> listener;
+  std::shared_ptr<Connection> conn;
+
+  template <class Side>
+  void open(const Options& o, Side& side) {
+    server_in.check_pattern_bytes = false;
+    auto s = Transport::create(o);
+    ASSERT_TRUE(s) << s.error().to_string();
+    server_tx = std::move(*s);
+    auto c = Transport::create(o);
+    ASSERT_TRUE(c) << c.error().to_string();
+    client_tx = std::move(*c);
+    auto l = server_tx->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
+                               server_in.handlers());
+    ASSERT_TRUE(l) << l.error().to_string();
+    listener = std::move(*l);
+    auto k = client_tx->connect(listener->address(), {Role::kWorker, 0}, side.handlers());
+    ASSERT_TRUE(k) << k.error().to_string();
+    conn = *k;
+  }
 };
 
 Options tcp_options() {
@@ -99,19 +150,10 @@ TEST(TcpCloseRace, InlineWritersCompleteEverySendBeforeOnClosed) {
   constexpr std::size_t kPayloadBytes = std::size_t{64} << 10;
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE(::testing::Message() << "round " << round);
-    Inbox server_in;
-    server_in.check_pattern_bytes = false;
     SenderSide client;
-    auto server_tx = Transport::create(tcp_options());
-    ASSERT_TRUE(server_tx) << server_tx.error().to_string();
-    auto client_tx = Transport::create(tcp_options());
-    ASSERT_TRUE(client_tx) << client_tx.error().to_string();
-    auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
-                                         server_in.handlers());
-    ASSERT_TRUE(listener) << listener.error().to_string();
-    auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0}, client.handlers());
-    ASSERT_TRUE(conn) << conn.error().to_string();
-    std::shared_ptr<Connection> c = *conn;
+    TcpLink link;
+    ASSERT_NO_FATAL_FAILURE(link.open(tcp_options(), client));
+    std::shared_ptr<Connection> c = link.conn;
 
     std::vector<std::byte> payload(kPayloadBytes);
     std::thread sender([&] {
@@ -129,22 +171,7 @@ TEST(TcpCloseRace, InlineWritersCompleteEverySendBeforeOnClosed) {
     });
     // Destroy the client's transport while the sender is busy.
     EXPECT_TRUE(client.wait_accepted(2 + round % 4));  // (not ASSERT: the sender must be stopped)
-    client_tx->reset();
-    int completed_at_return;
-    {
-      std::lock_guard lock(client.mu);
-      completed_at_return = client.completed;
-      EXPECT_EQ(client.closed_calls, 1) << "on_closed must have run during ~Transport";
-    }
-    sender.join();
-    std::lock_guard lock(client.mu);
-    EXPECT_EQ(client.completed_after_close, 0)
-        << "send completions ran after on_closed (of " << client.completed << ")";
-    EXPECT_EQ(client.completed, completed_at_return) << "completions ran after ~Transport returned";
-    EXPECT_EQ(client.completed, client.accepted) << "every accepted send completes";
-    for (std::size_t id = 0; id < client.runs.size(); ++id) {
-      EXPECT_LE(client.runs[id], 1) << "send " << id << " completed twice";
-    }
+    client.check_close_during_transport_destruction(link, [&] { sender.join(); });
     if (::testing::Test::HasFailure()) break;
   }
 }
@@ -162,21 +189,12 @@ TEST(TcpCloseRace, SmallSendCompletionsComeBeforeOnClosed) {
   constexpr std::size_t kPayloadBytes = 64;  // far below a batch
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE(::testing::Message() << "round " << round);
-    Inbox server_in;
-    server_in.check_pattern_bytes = false;
     SenderSide client;
     Options o = tcp_options();
     o.batching = round % 2 == 0;  // off: every send() writes inline; on: copies into the batch
-    auto server_tx = Transport::create(o);
-    ASSERT_TRUE(server_tx) << server_tx.error().to_string();
-    auto client_tx = Transport::create(o);
-    ASSERT_TRUE(client_tx) << client_tx.error().to_string();
-    auto listener = (*server_tx)->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
-                                         server_in.handlers());
-    ASSERT_TRUE(listener) << listener.error().to_string();
-    auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0}, client.handlers());
-    ASSERT_TRUE(conn) << conn.error().to_string();
-    std::shared_ptr<Connection> c = *conn;
+    TcpLink link;
+    ASSERT_NO_FATAL_FAILURE(link.open(o, client));
+    std::shared_ptr<Connection> c = link.conn;
 
     std::vector<std::thread> senders;
     for (int t = 0; t < kSenders; ++t) {
@@ -191,22 +209,9 @@ TEST(TcpCloseRace, SmallSendCompletionsComeBeforeOnClosed) {
       });
     }
     EXPECT_TRUE(client.wait_accepted(50 + 10 * round));
-    client_tx->reset();
-    int completed_at_return;
-    {
-      std::lock_guard lock(client.mu);
-      completed_at_return = client.completed;
-      EXPECT_EQ(client.closed_calls, 1) << "on_closed must have run during ~Transport";
-    }
-    for (auto& t : senders) t.join();
-    std::lock_guard lock(client.mu);
-    EXPECT_EQ(client.completed_after_close, 0)
-        << "small-send completions ran after on_closed (of " << client.completed << ")";
-    EXPECT_EQ(client.completed, completed_at_return) << "completions ran after ~Transport returned";
-    EXPECT_EQ(client.completed, client.accepted) << "every accepted send completes";
-    for (std::size_t id = 0; id < client.runs.size(); ++id) {
-      EXPECT_LE(client.runs[id], 1) << "send " << id << " completed twice";
-    }
+    client.check_close_during_transport_destruction(link, [&] {
+      for (auto& t : senders) t.join();
+    });
     if (::testing::Test::HasFailure()) break;
   }
 }
