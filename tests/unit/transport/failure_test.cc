@@ -513,6 +513,13 @@ TEST_P(ManyConnectionsTest, SixtyFourConnectionsAtOnceEachGetTheirEcho) {
   o.num_channels = 2;
   o.ring_slots = 16;
   o.num_io_threads = 2;
+  // Long: this test is about many handshakes at once, not liveness. Under TSan
+  // on a loaded 2-core machine (CI, 2026-12-01; here with 3 busy loops beside
+  // it, 15 of 15 runs), the 64 shm set-ups took the test's I/O threads long
+  // enough that a connection saw no heartbeat for 2 s and was closed by
+  // heartbeat_timeout before its echo was sent.
+  o.heartbeat_interval = 1s;
+  o.heartbeat_timeout = 30s;
   const std::string addr = GetParam() == Kind::kShm ? shm_address("many") : "127.0.0.1:0";
   Server server(o, addr);
   server.inbox.check_pattern_bytes = false;
@@ -548,8 +555,11 @@ TEST_P(ManyConnectionsTest, SixtyFourConnectionsAtOnceEachGetTheirEcho) {
   for (int i = 0; i < kConns; ++i) {
     const std::uint32_t id = static_cast<std::uint32_t>(i);
     const auto* p = reinterpret_cast<const std::byte*>(&id);
-    ASSERT_TRUE(conns[i]->send(id % 2, std::span<const std::byte>(p, 4)));
-    ASSERT_TRUE(conns[i]->flush(id % 2));
+    const Status sent = conns[i]->send(id % 2, std::span<const std::byte>(p, 4));
+    ASSERT_TRUE(sent) << "connection " << i << ": " << sent.error().to_string() << "; closed by "
+                      << (inboxes[i]->closed ? inboxes[i]->closed->to_string() : std::string("nothing yet"));
+    const Status flushed = conns[i]->flush(id % 2);
+    ASSERT_TRUE(flushed) << "connection " << i << ": " << flushed.error().to_string();
   }
   for (int i = 0; i < kConns; ++i) {
     ASSERT_TRUE(inboxes[i]->wait_count(static_cast<std::uint32_t>(i % 2), 1)) << "connection " << i;
