@@ -276,13 +276,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // sendfile from location().fd when zero_copy is kSendfile and the Buffer
   // has an fd and is borrowed — sendfile's completion does not mean the
   // kernel has read the pages, so the caller must keep a borrowed payload
-  // unchanged until the peer has answered; owned Buffers go by writev; shm: by reference when the Buffer lies in a registered region,
-  // otherwise an error; rdma: from the registered region). The transport owns
-  // the payload from a successful call until it is released, then runs
-  // `done` (if set) on the I/O thread. On an error return the payload was
-  // released and `done` is not called.
-  // Thread-safety, blocking and errors as for the span overload, plus
-  // kInvalidArgument for an shm large payload outside every registered region.
+  // unchanged until the peer has answered; owned Buffers go by writev; shm:
+  // by reference when the Buffer lies in a registered region, otherwise
+  // copied through the ring in fragments; rdma: from the registered region).
+  // The transport owns the payload from a successful call until it is
+  // released, then runs `done` (if set): on the I/O thread, or, for a
+  // payload copied inside send() (small ones; shm large ones outside every
+  // registered region), on the calling thread before send() returns. Either
+  // way `done` runs before on_closed (a close waits for a caller running it).
+  // On an error return the payload was released and `done` is not called.
+  // Thread-safety, blocking and errors as for the span overload.
   virtual Status send(std::uint32_t channel, Buffer&& payload, SendCompletion done = {},
                       std::chrono::nanoseconds wait = std::chrono::seconds(30)) = 0;
 

@@ -717,6 +717,7 @@ class Channel {
   bool flush_timer_armed_ = false;
   bool stopped_ = false;  // no new sends (closing)
   bool tx_closed_ = false;
+  bool fragmenting_ = false;  // a sender is mid-way through a fragmented message (send_large)
 
   // RX: the consumer, i.e. the I/O thread or a thread in poll_from_caller,
   // whichever owns rx_owned_ (acquire/release: one owner's writes are seen
@@ -803,15 +804,22 @@ class ShmConnection final : public ConnectionCore {
   Status send(std::uint32_t channel, Buffer&& payload, SendCompletion done, nanoseconds wait) override {
     Buffer owned = std::move(payload);
     EMBER_TRY(check_send(channel, owned.size()));
-    if (owned.size() <= payload_limit()) {
-      Status s = channels_[channel]->send_small(owned.bytes(), wait);
-      owned.reset();
-      if (s && done) done(ok_status());
-      return s;
+    const bool lend = owned.size() > payload_limit() && is_shared_region(owned);
+    if (!lend) {
+      // Copied (into a ring slot, or in fragments): `done` runs here, on the
+      // caller thread. Counted, so that on_closed waits for it (see
+      // callers_completing_).
+      CallerCompletion counted(callers_completing_);
+      if (owned.size() <= payload_limit()) {
+        Status s = channels_[channel]->send_small(owned.bytes(), wait);
+        owned.reset();
+        if (s && done) done(ok_status());
+        return s;
+      }
+      return channels_[channel]->send_large(std::move(owned), std::move(done), wait, /*lend=*/false);
     }
-    const bool lend = is_shared_region(owned);
-    if (lend) EMBER_TRY(flow().acquire(owned.size(), wait, !core_->io->on_io_thread()));
-    return channels_[channel]->send_large(std::move(owned), std::move(done), wait, lend);
+    EMBER_TRY(flow().acquire(owned.size(), wait, !core_->io->on_io_thread()));
+    return channels_[channel]->send_large(std::move(owned), std::move(done), wait, /*lend=*/true);
   }
 
   Status flush(std::uint32_t channel) override {
@@ -865,7 +873,10 @@ class ShmConnection final : public ConnectionCore {
     // memory is in progress (one that started before revoke_peer_writes()),
     // so a caller who reuses a pull's destination after the error cannot
     // have it overwritten by a peer that stalled mid-copy and woke up.
-    if (peer_writes_finished()) {
+    // It also waits for the completions that callers run inside send()
+    // (callers_completing_): transport.h promises no callback after on_closed.
+    const bool peer_done = peer_writes_finished();
+    if (peer_done && callers_completing_.load(std::memory_order_seq_cst) == 0) {
       release_access();
       announce_closed();
       // After on_closed: ~Transport joins the I/O threads once the count is
@@ -874,11 +885,13 @@ class ShmConnection final : public ConnectionCore {
       return;
     }
     revoke_deadline_ = Clock::now() + core_->options.heartbeat_timeout;
-    shm_log()->warn("{} {} stalled while writing into this process's memory; on_closed waits up "
-                    "to heartbeat_timeout for that write to end",
-                    role_name(peer().role), peer().rank);
+    if (!peer_done) {
+      shm_log()->warn("{} {} stalled while writing into this process's memory; on_closed waits up "
+                      "to heartbeat_timeout for that write to end",
+                      role_name(peer().role), peer().rank);
+    }
     auto self = shared();
-    asio::post(*control_ctx_, [self] { self->wait_peer_writes(); });
+    asio::post(*control_ctx_, [self] { self->wait_before_on_closed(); });
   }
   std::shared_ptr<PeerProcess> peer_process() const { return std::atomic_load(&peer_process_); }
   // A channel finished its final drain after the peer's goodbye.
@@ -1170,9 +1183,13 @@ class ShmConnection final : public ConnectionCore {
            (peer && peer->exited());
   }
   // On the control link's context, after the last part finished (that part
-  // stays counted as an I/O object until on_closed).
-  void wait_peer_writes() {
-    if (peer_writes_finished() || Clock::now() >= revoke_deadline_) {
+  // stays counted as an I/O object until on_closed): polls until the peer's
+  // writes have ended (or heartbeat_timeout passed) and no caller is running
+  // a send's completion (no deadline: that completion is the caller's own
+  // code, and it runs the moment its copy is done).
+  void wait_before_on_closed() {
+    const bool callers_done = callers_completing_.load(std::memory_order_seq_cst) == 0;
+    if (callers_done && (peer_writes_finished() || Clock::now() >= revoke_deadline_)) {
       if (!peer_writes_finished()) {
         shm_log()->error("{} {} did not finish its write into this process's memory within "
                          "heartbeat_timeout; the destination of a pull that failed with this "
@@ -1190,7 +1207,7 @@ class ShmConnection final : public ConnectionCore {
     auto self = shared();
     revoke_timer_->async_wait([self](const boost::system::error_code& ec) {
       if (ec) return;
-      self->wait_peer_writes();
+      self->wait_before_on_closed();
     });
   }
 
@@ -1225,6 +1242,20 @@ class ShmConnection final : public ConnectionCore {
   std::vector<std::uint32_t> free_windows_;  // entry indices
   std::vector<std::uint32_t> window_gen_;    // per entry: generation of its last id
   Clock::time_point revoke_deadline_{};
+  // Callers inside send() whose completion runs on their own thread (a
+  // copied payload). The last part waits for zero before on_closed. Order
+  // (seq_cst): a caller counts itself before its channel's lock, where it
+  // sees tx_closed_; teardown sets tx_closed_ under that lock before the
+  // last part reads the count. So either the read sees the caller, or the
+  // caller sees the channel closed and runs no completion.
+  std::atomic<int> callers_completing_{0};
+  struct CallerCompletion {
+    explicit CallerCompletion(std::atomic<int>& n) : n_(n) { n_.fetch_add(1, std::memory_order_seq_cst); }
+    ~CallerCompletion() { n_.fetch_sub(1, std::memory_order_seq_cst); }
+    CallerCompletion(const CallerCompletion&) = delete;
+    CallerCompletion& operator=(const CallerCompletion&) = delete;
+    std::atomic<int>& n_;
+  };
   std::unique_ptr<asio::steady_timer> revoke_timer_;
   bool all_drained_ = false;
   bool control_done_ = false;
@@ -1399,8 +1430,30 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
     return ok_status();
   }
   // Fragments: copied through the ring (memory the peer cannot map).
+  // One fragmented message at a time per channel: a sender waiting for ring
+  // space releases mu_, and another sender's fragments written meanwhile
+  // would land inside this message (the receiver would take them as a new
+  // message and fail the connection with "fragment out of order", or, with
+  // equal lengths, splice two messages). Small and by-reference messages
+  // may still go between fragments: the receiver delivers them on their own.
   const std::size_t per_slot = tx_->body_bytes();
-  if (wait.count() <= 0 || conn_->core().io->on_io_thread()) {
+  const bool can_wait = wait.count() > 0 && !conn_->core().io->on_io_thread();
+  if (!can_wait && fragmenting_) {
+    return fail_with(Error(
+        ErrorCode::kTimeout,
+        fmt::format("shm channel {}: another message from unregistered memory is being copied "
+                    "through the ring, and this caller cannot wait (I/O thread or zero wait); "
+                    "send it from a registered region or from another thread",
+                    index_)));
+  }
+  if (can_wait) {
+    if (Status s = wait_locked(lock, wait, "another message from unregistered memory is being copied",
+                               [&] { return !fragmenting_; });
+        !s) {
+      return fail_with(s.error());  // nothing of this message was written
+    }
+  }
+  if (!can_wait) {
     // A caller that cannot wait gets all of the message in or none of it.
     const std::uint64_t needed = (size + per_slot - 1) / per_slot;
     const std::uint64_t free_slots =
@@ -1416,17 +1469,26 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
                       index_, size, needed, free_slots)));
     }
   }
+  fragmenting_ = true;
+  auto end_fragments = [&] {  // under mu_
+    fragmenting_ = false;
+    if (waiters_ > 0) space_cv_.notify_all();
+  };
   std::uint64_t off = 0;
   while (off < size) {
     if (Status s = wait_locked(lock, wait, "ring full", [&] { return slot_free_locked(); }); !s) {
       // The message is cut short: the peer would wait forever for the rest.
+      end_fragments();
       lock.unlock();
       payload.reset();
       conn_->fail(Error(ErrorCode::kTimeout, "large message could not be completed: " +
                                                  s.error().message()));
       return tl::unexpected<Error>(s.error());
     }
-    if (tx_closed_) return fail_with(Error(ErrorCode::kClosed, "shm connection is closed"));
+    if (tx_closed_) {
+      end_fragments();
+      return fail_with(Error(ErrorCode::kClosed, "shm connection is closed"));
+    }
     const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(per_slot, size - off));
     std::byte* slot = tx_->slot(next_head_);
     SlotHeader h{};
@@ -1439,6 +1501,7 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
     publish_slot_locked();
     off += n;
   }
+  end_fragments();
   conn_->messages_sent.fetch_add(1, std::memory_order_relaxed);
   conn_->bytes_sent.fetch_add(size, std::memory_order_relaxed);
   conn_->frames_sent.fetch_add(1, std::memory_order_relaxed);

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <future>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -33,6 +34,7 @@ struct SenderSide {
   int completed = 0;             // completions that ran
   int completed_after_close = 0; // ... after on_closed had run
   int closed_calls = 0;
+  std::vector<std::string> refused;  // errors of refused sends
 
   Handlers handlers() {
     Handlers h;
@@ -57,6 +59,17 @@ struct SenderSide {
               if (closed_calls > 0) ++completed_after_close;
               cv.notify_all();
             }};
+  }
+  // Why send() refused (the senders stop there); for failure messages.
+  void note_refusal(const Error& e) {
+    std::lock_guard lock(mu);
+    refused.push_back(e.to_string());
+  }
+  std::string refusals() {
+    std::lock_guard lock(mu);
+    std::string all = "send() refused " + std::to_string(refused.size()) + " time(s)";
+    for (const auto& r : refused) all += "; " + r;
+    return all;
   }
   void count_accepted() {
     std::lock_guard lock(mu);
@@ -96,9 +109,11 @@ struct SenderSide {
   }
 };
 
-// A tcp Transport pair and one Connection from `side`'s transport to the
-// other's listener. open() ASSERTs (use ASSERT_NO_FATAL_FAILURE).
-struct TcpLink {
+// A Transport pair of Options::kind and one Connection from `side`'s
+// transport to the other's listener (tcp on 127.0.0.1, shm on an abstract
+// socket named per process and link). open() ASSERTs (use
+// ASSERT_NO_FATAL_FAILURE).
+struct Link {
   Inbox server_in;
   std::unique_ptr<Transport> server_tx;
   std::unique_ptr<Transport> client_tx;
@@ -114,8 +129,11 @@ struct TcpLink {
     auto c = Transport::create(o);
     ASSERT_TRUE(c) << c.error().to_string();
     client_tx = std::move(*c);
-    auto l = server_tx->listen("127.0.0.1:0", {Role::kServer, 0}, server_in.acceptor(),
-                               server_in.handlers());
+    static std::atomic<int> links{0};
+    const std::string where = o.kind == Kind::kShm ? "@ember-close-race-link-" + std::to_string(::getpid()) +
+                                                         "-" + std::to_string(links++)
+                                                   : "127.0.0.1:0";
+    auto l = server_tx->listen(where, {Role::kServer, 0}, server_in.acceptor(), server_in.handlers());
     ASSERT_TRUE(l) << l.error().to_string();
     listener = std::move(*l);
     auto k = client_tx->connect(listener->address(), {Role::kWorker, 0}, side.handlers());
@@ -151,7 +169,7 @@ TEST(TcpCloseRace, InlineWritersCompleteEverySendBeforeOnClosed) {
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE(::testing::Message() << "round " << round);
     SenderSide client;
-    TcpLink link;
+    Link link;
     ASSERT_NO_FATAL_FAILURE(link.open(tcp_options(), client));
     std::shared_ptr<Connection> c = link.conn;
 
@@ -176,23 +194,30 @@ TEST(TcpCloseRace, InlineWritersCompleteEverySendBeforeOnClosed) {
   }
 }
 
-// tcp, small messages sent as Buffers with a completion: the message is
-// copied into a batch (and, without batching, written inline by the caller)
-// and the completion runs on the caller thread inside send(). A teardown by
-// ~Transport on the I/O thread in the meantime must wait for that
-// completion before on_closed (regression: the completion ran outside the
-// channel's writer count, so on_closed could come first and ~Transport
-// could return before it ran).
-TEST(TcpCloseRace, SmallSendCompletionsComeBeforeOnClosed) {
+// Buffers the transport copies inside send(), with a completion: small ones
+// (tcp: into a batch, and without batching written inline by the caller;
+// shm: into a ring slot) and, over shm, large heap Buffers (outside every
+// registered region: copied through the ring in fragments). The completion
+// runs on the caller thread inside send(). A teardown by ~Transport on the
+// I/O thread in the meantime must wait for that completion before on_closed
+// (regressions: tcp ran the completion outside the channel's writer count,
+// shm after the send had left the channel; either way on_closed could come
+// first and ~Transport could return before it ran). Over tcp the large
+// rounds are sent from the Buffer and complete on the I/O thread.
+class SmallSendCloseRace : public ::testing::TestWithParam<Kind> {};
+
+TEST_P(SmallSendCloseRace, SmallSendCompletionsComeBeforeOnClosed) {
   constexpr int kRounds = 60;
   constexpr int kSenders = 3;
-  constexpr std::size_t kPayloadBytes = 64;  // far below a batch
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE(::testing::Message() << "round " << round);
+    // Rounds 0, 1 of every 4: far below a batch; 2, 3: over a ring slot.
+    const std::size_t kPayloadBytes = round % 4 < 2 ? 64 : std::size_t{64} << 10;
     SenderSide client;
     Options o = tcp_options();
-    o.batching = round % 2 == 0;  // off: every send() writes inline; on: copies into the batch
-    TcpLink link;
+    o.kind = GetParam();
+    o.batching = round % 2 == 0;  // tcp off: every send() writes inline; on: copies into the batch
+    Link link;
     ASSERT_NO_FATAL_FAILURE(link.open(o, client));
     std::shared_ptr<Connection> c = link.conn;
 
@@ -203,18 +228,26 @@ TEST(TcpCloseRace, SmallSendCompletionsComeBeforeOnClosed) {
           auto [id, done] = client.next();
           Buffer b = Buffer::heap(kPayloadBytes);
           Status s = c->send(0, std::move(b), std::move(done), 5s);
-          if (!s) break;  // kClosed: the transport is going
+          if (!s) {  // kClosed: the transport is going
+            client.note_refusal(s.error());
+            break;
+          }
           client.count_accepted();
         }
       });
     }
-    EXPECT_TRUE(client.wait_accepted(50 + 10 * round));
+    EXPECT_TRUE(client.wait_accepted(50 + 10 * round))
+        << client.refusals() << "; the receiving side "
+        << (link.server_in.closed ? "closed: " + link.server_in.closed->to_string() : std::string("is open"));
     client.check_close_during_transport_destruction(link, [&] {
       for (auto& t : senders) t.join();
     });
     if (::testing::Test::HasFailure()) break;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(All, SmallSendCloseRace, ::testing::Values(Kind::kTcp, Kind::kShm),
+                         [](const auto& p) { return std::string(kind_name(p.param)); });
 
 // A listening Transport destroyed while a peer's handshake completes: the
 // Connection its listener makes at that moment (its last handshake handler
