@@ -665,6 +665,15 @@ class Channel {
     return next_head_ - tx_->control().tail.value.load(std::memory_order_acquire) <
            tx_->geometry().num_slots;
   }
+  // For a message that takes a slot of its own (send_large): true when the
+  // slot at next_head_ may be written. A batch that another sender opened
+  // there while this one waited (wait_locked releases mu_) is published
+  // first: it is older than this message, and its slot is not ours to
+  // overwrite (the batch would go on writing into a published slot).
+  bool claim_slot_locked() {
+    publish_batch_locked();
+    return slot_free_locked();
+  }
   // Waits (releasing `lock`) until `ready()`; errors when closed or timed out.
   template <typename Ready>
   Status wait_locked(std::unique_lock<std::mutex>& lock, nanoseconds wait, const char* what,
@@ -1402,7 +1411,7 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
   publish_batch_locked();  // order: earlier small messages first
   if (lend) {
     if (Status s = wait_locked(lock, wait, "ring full or all large-message tokens lent",
-                               [&] { return slot_free_locked() && !free_tokens_.empty(); });
+                               [&] { return claim_slot_locked() && !free_tokens_.empty(); });
         !s) {
       return fail_with(s.error());
     }
@@ -1476,7 +1485,7 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
   };
   std::uint64_t off = 0;
   while (off < size) {
-    if (Status s = wait_locked(lock, wait, "ring full", [&] { return slot_free_locked(); }); !s) {
+    if (Status s = wait_locked(lock, wait, "ring full", [&] { return claim_slot_locked(); }); !s) {
       // The message is cut short: the peer would wait forever for the rest.
       end_fragments();
       lock.unlock();
@@ -2199,15 +2208,22 @@ class ShmTransport final : public Transport {
     return std::unique_ptr<Listener>(new ListenerHandle<ListenerCore>(lc));
   }
 
+  // Races ~ShmTransport safely once begin_connect() ran: from there on only
+  // `core` is used (never this object, which ~ShmTransport may free as soon
+  // as `in_progress` ends), and ~ShmTransport cancels the handshake's waits
+  // and waits for the scope to end before it joins the I/O threads.
   Result<std::shared_ptr<Connection>> connect(const std::string& address, LocalIdentity self,
                                               Handlers handlers) override {
+    const std::shared_ptr<Core> core = core_;
+    EMBER_ASSIGN_OR_RETURN(auto in_progress, core->begin_connect());
     EMBER_TRY(require_handlers(handlers, "connect"));
-    if (core_->io->on_io_thread()) {
+    if (core->io->on_io_thread()) {
       return make_error(ErrorCode::kInvalidArgument,
                         "connect() blocks and must not be called on an I/O thread");
     }
     EMBER_ASSIGN_OR_RETURN(auto sa, make_address(address));
-    const Options& o = core_->options;
+    const Options& o = core->options;
+    const int cancel_fd = in_progress.cancel_fd();
     const auto deadline = Clock::now() + o.connect_timeout;
     const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) return make_sys_error(errno, "socket(AF_UNIX)");
@@ -2219,7 +2235,7 @@ class ShmTransport final : public Transport {
     if (::connect(fd, reinterpret_cast<sockaddr*>(&sa.first), sa.second) != 0 && errno != EINPROGRESS) {
       return fail(Error(ErrorCode::kIo, "connect failed (is the server running on this host?)", errno));
     }
-    if (auto s = stream_io::wait_ready(fd, POLLOUT, deadline, "shm connect"); !s) return fail(s.error());
+    if (auto s = stream_io::wait_ready(fd, POLLOUT, deadline, "shm connect", cancel_fd); !s) return fail(s.error());
     handshake::Hello hello;
     hello.role = self.role;
     hello.kind = Kind::kShm;
@@ -2227,8 +2243,8 @@ class ShmTransport final : public Transport {
     hello.num_channels = o.num_channels;
     hello.max_message_bytes = o.max_message_bytes;
     hello.token = o.auth_token;
-    if (auto s = send_message(fd, handshake::encode(hello), {}, deadline); !s) return fail(s.error());
-    auto raw = receive_message(fd, deadline);
+    if (auto s = send_message(fd, handshake::encode(hello), {}, deadline, cancel_fd); !s) return fail(s.error());
+    auto raw = receive_message(fd, deadline, cancel_fd);
     if (!raw) return fail(raw.error());
     close_fds(raw->fds);
     if (raw->closed) return fail(Error(ErrorCode::kClosed, "the listener closed the socket"));
@@ -2245,7 +2261,7 @@ class ShmTransport final : public Transport {
                                     "speaks version {}; run the same Ember release on both sides",
                                     kProtocolVersion, address, reply->version)));
     }
-    auto setup_msg = receive_message(fd, deadline);
+    auto setup_msg = receive_message(fd, deadline, cancel_fd);
     if (!setup_msg) return fail(setup_msg.error());
     if (setup_msg->closed) return fail(Error(ErrorCode::kClosed, "the listener closed the socket"));
     auto setup = decode_setup(setup_msg->bytes, setup_msg->fds.size(), o.num_channels);
@@ -2255,13 +2271,13 @@ class ShmTransport final : public Transport {
     }
     auto peer = attach_peer(*setup, std::move(setup_msg->fds));
     if (!peer) return fail(peer.error());
-    auto local = core_->make_local(o.num_channels);
+    auto local = core->make_local(o.num_channels);
     if (!local) {
       close_fds(peer->doorbells);
       return fail(local.error());
     }
-    if (auto s = send_message(fd, encode_setup(core_->local_setup_info(o.num_channels)),
-                              core_->local_setup_fds(*local), deadline);
+    if (auto s = send_message(fd, encode_setup(core->local_setup_info(o.num_channels)),
+                              core->local_setup_fds(*local), deadline, cancel_fd);
         !s) {
       close_fds(peer->doorbells);
       for (auto& r : *local) {
@@ -2275,13 +2291,14 @@ class ShmTransport final : public Transport {
     info.rank = reply->rank;
     info.num_channels = o.num_channels;
     info.address = address;
-    auto conn = std::make_shared<ShmConnection>(core_, info, std::move(handlers), fd);
+    auto conn = std::make_shared<ShmConnection>(core, info, std::move(handlers), fd);
     if (Status st = conn->init(std::move(*local), std::move(*peer)); !st) {
       conn->suppress_on_closed();
       conn->fail(st.error());
       return tl::unexpected<Error>(st.error());
     }
-    core_->add_connection(conn);
+    // Failed at once (kCancelled) when ~ShmTransport began meanwhile.
+    core->add_connection(conn);
     conn->start();
     return std::shared_ptr<Connection>(conn);
   }

@@ -183,26 +183,34 @@ TEST_P(TransportTest, ManySmallMessagesKeepOrderFromConcurrentSenders) {
   EXPECT_LT(stats.frames_sent * 10, stats.messages_sent);
 }
 
-// Large messages from unregistered memory, several senders per channel,
-// with a small ring: the shm transport copies each through the ring in
-// fragments, and a sender waits for room mid-message. Each message must
-// arrive whole and each sender's in order (regression: a second sender's
-// fragments went in while the first waited; the receiver failed the
-// connection with "fragment out of order", and with equal lengths could
-// have spliced two messages into one).
-TEST_P(TransportTest, LargeMessagesFromConcurrentSendersArriveWhole) {
+// Several senders per channel, one for each way a message can go (small:
+// copied into a batch; large from unregistered memory: shm copies it through
+// the ring in fragments; large from a registered region: shm lends it by
+// reference), with a small ring so that senders wait for room, mid-message
+// too. Each message must arrive whole and each sender's in order.
+// Regressions (shm): a second sender's fragments went in while the first
+// waited (the receiver failed the connection with "fragment out of order",
+// and with equal lengths could have spliced two messages); and a large
+// message written into the slot where another sender had opened a batch
+// while it waited (the batch then kept writing into a published slot).
+TEST_P(TransportTest, MessagesOfEveryPathFromConcurrentSendersArriveWhole) {
   Inbox server_in, client_in;  // before the transports: on_closed may run into it until they are gone
   const Mode mode = GetParam();
   Options o = options_for(mode);
-  o.ring_slots = 16;  // far less than the messages in flight: senders wait mid-message
+  o.ring_slots = 16;  // far less than the messages in flight: senders wait, mid-message too
   auto server_tx = Transport::create(o);
   ASSERT_TRUE(server_tx);
   auto client_tx = Transport::create(o);
   ASSERT_TRUE(client_tx);
+  MemfdRegion registered(std::size_t{64} << 20);
+  auto rid = (*client_tx)->register_memory(registered.region());
+  ASSERT_TRUE(rid) << rid.error().to_string();
+  registered.set_region_id(*rid);
   server_in.check_pattern_bytes = false;
-  constexpr int kThreads = 4;
-  constexpr std::uint64_t kPerThread = 40;
-  constexpr std::size_t kHeader = 12;  // sender (4 bytes), sequence number (8)
+  enum Path : int { kSmall = 0, kUnregistered = 1, kRegistered = 2 };
+  constexpr int kThreads = 6;                        // channel t % 2, path t / 2
+  constexpr std::uint64_t kPerThread[3] = {600, 40, 40};  // per path
+  constexpr std::size_t kHeader = 12;                // sender (4 bytes), sequence number (8)
   std::mutex seen_mu;
   std::map<std::uint32_t, std::uint64_t> next_seq;  // per sender thread
   std::vector<std::string> wrong;
@@ -226,43 +234,62 @@ TEST_P(TransportTest, LargeMessagesFromConcurrentSendersArriveWhole) {
       wrong.push_back("sender " + std::to_string(sender) + ": message " + std::to_string(seq) + " out of order");
     }
   };
-  auto listener = (*server_tx)->listen(address_for(mode, "large-order"), {Role::kServer, 0},
+  auto listener = (*server_tx)->listen(address_for(mode, "every-path"), {Role::kServer, 0},
                                        server_in.acceptor(), server_in.handlers());
   ASSERT_TRUE(listener);
   auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0}, client_in.handlers());
   ASSERT_TRUE(conn) << conn.error().to_string();
   std::vector<std::thread> threads;
-  std::atomic<int> refused{0};
+  std::mutex refused_mu;
+  std::vector<std::string> refused;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
-      // Two threads per channel; sizes differ per sender (and some are equal
-      // across senders, the case where fragments could splice unnoticed).
       const std::uint32_t ch = static_cast<std::uint32_t>(t % 2);
+      const Path path = static_cast<Path>(t / 2);
       const std::uint32_t sender = static_cast<std::uint32_t>(t);
-      std::vector<std::byte> msg;
-      for (std::uint64_t i = 0; i < kPerThread; ++i) {
-        msg.resize(std::size_t{96} << 10 | (i % 3) * 4099);
+      std::vector<std::byte> plain;
+      for (std::uint64_t i = 0; i < kPerThread[path]; ++i) {
+        // Sizes vary per message; the large ones repeat across senders (the
+        // case where spliced fragments would go unnoticed by length).
+        const std::size_t size = path == kSmall ? 100 + (i % 7) * 150 : (std::size_t{96} << 10) | (i % 3) * 4099;
+        Buffer registered_buffer;
+        std::span<std::byte> msg;
+        if (path == kRegistered) {
+          registered_buffer = registered.make(size);
+          msg = registered_buffer.bytes();
+        } else {
+          plain.resize(size);
+          msg = plain;
+        }
         std::memcpy(msg.data(), &sender, 4);
         std::memcpy(msg.data() + 4, &i, 8);
-        fill_pattern(std::span(msg).subspan(kHeader), sender, i);
-        if (!(*conn)->send(ch, msg)) {
-          ++refused;
+        fill_pattern(msg.subspan(kHeader), sender, i);
+        const Status s = path == kRegistered ? (*conn)->send(ch, std::move(registered_buffer))
+                                             : (*conn)->send(ch, std::span<const std::byte>(msg));
+        if (!s) {
+          std::lock_guard lock(refused_mu);
+          refused.push_back("sender " + std::to_string(sender) + ": " + s.error().to_string());
           return;
         }
       }
+      (void)(*conn)->flush(ch);
     });
   }
   for (auto& th : threads) th.join();
   auto closed_reason = [&] {
     std::lock_guard lock(server_in.mu);
-    return server_in.closed ? "the receiver closed: " + server_in.closed->to_string() : std::string();
+    return server_in.closed ? "; the receiver closed: " + server_in.closed->to_string() : std::string();
   };
-  ASSERT_EQ(refused.load(), 0) << closed_reason();
-  ASSERT_TRUE(server_in.wait_count(0, 2 * kPerThread)) << closed_reason();
-  ASSERT_TRUE(server_in.wait_count(1, 2 * kPerThread)) << closed_reason();
+  for (const auto& r : refused) ADD_FAILURE() << r << closed_reason();
+  ASSERT_TRUE(refused.empty());
+  const std::size_t per_channel = kPerThread[kSmall] + kPerThread[kUnregistered] + kPerThread[kRegistered];
+  ASSERT_TRUE(server_in.wait_count(0, per_channel)) << closed_reason();
+  ASSERT_TRUE(server_in.wait_count(1, per_channel)) << closed_reason();
   std::lock_guard lock(seen_mu);
   for (const auto& w : wrong) ADD_FAILURE() << w;
-  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(next_seq[static_cast<std::uint32_t>(t)], kPerThread);
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(next_seq[static_cast<std::uint32_t>(t)], kPerThread[t / 2]) << "sender " << t;
+  }
 }
 
 TEST_P(TransportTest, PoolBuffersAndUnregisteredMemoryBothArrive) {
