@@ -415,7 +415,9 @@ class Transport {
   // Stops the I/O threads after closing every Connection (on_closed runs with
   // kCancelled for those still open, during this destructor), so whatever the
   // Handlers refer to must outlive the Transport. Blocks until every I/O
-  // object is gone. Must not be called from an I/O thread.
+  // object is gone. Must not be called from an I/O thread, nor from a send's
+  // completion (`done`), which may run on the thread that called send(): a
+  // close waits for it (see send()).
   virtual ~Transport() = default;
 
   virtual Kind kind() const noexcept = 0;
