@@ -2,6 +2,11 @@
 // connection_core.h.
 #include "common/transport/connection_core.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 #include <boost/asio/post.hpp>
 
 #include "common/base/units.h"
@@ -190,6 +195,26 @@ void TransportRegistry::io_object_removed() {
   if (--live_io_objects_ == 0) cv_.notify_all();
 }
 
+TransportRegistry::~TransportRegistry() {
+  if (connect_cancel_fd_ >= 0) ::close(connect_cancel_fd_);
+}
+
+Result<TransportRegistry::ConnectScope> TransportRegistry::begin_connect() {
+  std::lock_guard lock(mu_);
+  if (shutting_down_) return make_error(ErrorCode::kCancelled, "the transport is shutting down");
+  if (connect_cancel_fd_ < 0) {
+    connect_cancel_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (connect_cancel_fd_ < 0) return make_sys_error(errno, "connect: eventfd()");
+  }
+  ++connects_in_progress_;
+  return ConnectScope(this, connect_cancel_fd_);
+}
+
+void TransportRegistry::end_connect() {
+  std::lock_guard lock(mu_);
+  if (--connects_in_progress_ == 0) cv_.notify_all();
+}
+
 void TransportRegistry::wait_no_io_objects() {
   std::unique_lock lock(mu_);
   cv_.wait(lock, [&] { return live_io_objects_ == 0; });
@@ -238,13 +263,24 @@ void TransportRegistry::shut_down() {
   {
     // From here add_connection() fails what it is given (a listener's close
     // is asynchronous: a handshake on its I/O thread may finish after this).
+    // begin_connect() refuses from here on, and the connects in progress
+    // wake up (the eventfd stays readable).
     std::lock_guard lock(mu_);
     shutting_down_ = true;
+    if (connect_cancel_fd_ >= 0) {
+      const std::uint64_t one = 1;
+      // Cannot fail: the counter is far from its maximum.
+      [[maybe_unused]] const ssize_t n = ::write(connect_cancel_fd_, &one, sizeof one);
+    }
   }
   for (auto& c : live_connections()) {
     c->fail(Error(ErrorCode::kCancelled, "the transport is shutting down"));
   }
-  wait_no_io_objects();
+  // The connects first: one may still add I/O objects (its Connection,
+  // failed by add_connection(), tears them down on the I/O threads, which
+  // run until the join that follows this call).
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return connects_in_progress_ == 0 && live_io_objects_ == 0; });
 }
 
 }  // namespace ember::transport

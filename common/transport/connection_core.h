@@ -16,9 +16,10 @@
 // teardown to its I/O thread) and calls part_finished() once per part
 // whose I/O objects are gone.
 //
-// TransportRegistry counts a Transport's live I/O objects and remembers its
-// Connections and Listeners, so that the destructor can close them all and
-// wait (shut_down()).
+// TransportRegistry counts a Transport's live I/O objects and its connect()
+// calls in progress, and remembers its Connections and Listeners, so that
+// the destructor can close them all, cut short the connects and wait
+// (shut_down()).
 //
 // Thread-safety: every ConnectionCore and TransportRegistry method may be
 // called from any thread unless its comment names one. Nothing here blocks
@@ -36,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
@@ -179,6 +181,40 @@ class ConnectionCore : public Connection {
 // The live objects of one Transport.
 class TransportRegistry {
  public:
+  TransportRegistry() = default;
+  ~TransportRegistry();
+  TransportRegistry(const TransportRegistry&) = delete;
+  TransportRegistry& operator=(const TransportRegistry&) = delete;
+
+  // A Transport::connect() in progress, from begin_connect() until this is
+  // destroyed (at connect()'s end, after its Connection, if any, went to
+  // add_connection()). shut_down() waits for it, so the registry (held by
+  // the caller) must outlive it. cancel_fd(): an eventfd that becomes
+  // readable when shut_down() begins; the connect passes it to every
+  // blocking wait of its handshake (stream_io), which then fail with
+  // kCancelled instead of holding ~Transport up to connect_timeout.
+  class ConnectScope {
+   public:
+    ConnectScope(ConnectScope&& other) noexcept
+        : registry_(std::exchange(other.registry_, nullptr)), cancel_fd_(other.cancel_fd_) {}
+    ConnectScope& operator=(ConnectScope&&) = delete;
+    ~ConnectScope() {
+      if (registry_ != nullptr) registry_->end_connect();
+    }
+    int cancel_fd() const noexcept { return cancel_fd_; }
+
+   private:
+    friend class TransportRegistry;
+    ConnectScope(TransportRegistry* registry, int cancel_fd)
+        : registry_(registry), cancel_fd_(cancel_fd) {}
+    TransportRegistry* registry_;
+    int cancel_fd_;
+  };
+  // The start of connect(), on the caller's thread. Errors: kCancelled
+  // ("the transport is shutting down") once shut_down() began; kIo when the
+  // eventfd (made by the first connect) cannot be created.
+  Result<ConnectScope> begin_connect();
+
   // I/O objects (channels, control links, acceptors) not yet destroyed.
   void io_object_added();
   void io_object_removed();
@@ -193,16 +229,23 @@ class TransportRegistry {
   // How to close a Listener's state when the Transport goes first.
   void add_listener_closer(std::function<void()> closer);
 
-  // What every Transport destructor does first: closes each Listener, fails
-  // each live Connection with kCancelled ("the transport is shutting down";
-  // on_closed runs for those still open), then waits until no I/O object is
-  // left. Blocks; must not run on an I/O thread (the caller checks).
+  // What every Transport destructor does first: closes each Listener,
+  // cancels the connect() calls in progress, fails each live Connection with
+  // kCancelled ("the transport is shutting down"; on_closed runs for those
+  // still open), then waits until no connect() is in progress and no I/O
+  // object is left (a connect that finished its handshake meanwhile hands
+  // its Connection to add_connection(), which fails it: it closes too).
+  // Blocks; must not run on an I/O thread (the caller checks).
   void shut_down();
 
  private:
+  void end_connect();
+
   std::mutex mu_;
   std::condition_variable cv_;
   std::size_t live_io_objects_ = 0;
+  std::size_t connects_in_progress_ = 0;
+  int connect_cancel_fd_ = -1;  // eventfd, made by the first begin_connect()
   std::vector<std::weak_ptr<ConnectionCore>> connections_;
   std::vector<std::function<void()>> listener_closers_;
   bool shutting_down_ = false;  // shut_down() has taken its list of connections

@@ -8,7 +8,7 @@
 
 namespace ember::transport::stream_io {
 
-Status wait_ready(int fd, short events, Deadline deadline, const char* what) {
+Status wait_ready(int fd, short events, Deadline deadline, const char* what, int cancel_fd) {
   for (;;) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
@@ -16,14 +16,20 @@ Status wait_ready(int fd, short events, Deadline deadline, const char* what) {
     }
     const auto left_ms =
         std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count();
-    pollfd p{fd, events, 0};
-    const int rc = ::poll(&p, 1, static_cast<int>(std::min<long long>(left_ms, 1 << 30)));
+    // poll() ignores an entry with a negative fd: no cancel_fd, no wake-up.
+    pollfd p[2] = {{fd, events, 0}, {cancel_fd, POLLIN, 0}};
+    const int rc = ::poll(p, 2, static_cast<int>(std::min<long long>(left_ms, 1 << 30)));
+    if (rc > 0 && p[1].revents != 0) {
+      return make_error(ErrorCode::kCancelled, "{}: cancelled, the transport is shutting down",
+                        what);
+    }
     if (rc > 0) return ok_status();
     if (rc < 0 && errno != EINTR) return make_sys_error(errno, "{}: poll failed", what);
   }
 }
 
-Status write_all(int fd, std::span<const std::byte> bytes, Deadline deadline, const char* what) {
+Status write_all(int fd, std::span<const std::byte> bytes, Deadline deadline, const char* what,
+                 int cancel_fd) {
   std::size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::send(fd, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
@@ -32,7 +38,7 @@ Status write_all(int fd, std::span<const std::byte> bytes, Deadline deadline, co
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      EMBER_TRY(wait_ready(fd, POLLOUT, deadline, what));
+      EMBER_TRY(wait_ready(fd, POLLOUT, deadline, what, cancel_fd));
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
@@ -44,7 +50,8 @@ Status write_all(int fd, std::span<const std::byte> bytes, Deadline deadline, co
   return ok_status();
 }
 
-Status read_exact(int fd, std::span<std::byte> out, Deadline deadline, const char* what) {
+Status read_exact(int fd, std::span<std::byte> out, Deadline deadline, const char* what,
+                  int cancel_fd) {
   std::size_t done = 0;
   while (done < out.size()) {
     const ssize_t n = ::recv(fd, out.data() + done, out.size() - done, 0);
@@ -58,7 +65,7 @@ Status read_exact(int fd, std::span<std::byte> out, Deadline deadline, const cha
                         out.size());
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      EMBER_TRY(wait_ready(fd, POLLIN, deadline, what));
+      EMBER_TRY(wait_ready(fd, POLLIN, deadline, what, cancel_fd));
       continue;
     }
     if (errno == EINTR) continue;

@@ -50,7 +50,12 @@
 // nothing; destroying a Listener does nothing more. A call that races
 // ~Transport either gets its work in before the I/O threads are joined, where
 // it runs, or is refused as above; no work is ever queued for a joined
-// thread (it would never run, and what it holds would leak).
+// thread (it would never run, and what it holds would leak). The same holds
+// for a connect() that began before ~Transport: ~Transport cuts short the
+// waits of its handshake and waits for it to return (tcp and shm at once;
+// rdma's wait for the CM reply runs to connect_timeout); it returns an error
+// (kCancelled, or what its peer did meanwhile), or a Connection that
+// ~Transport has closed like the others.
 #pragma once
 
 #include <chrono>
@@ -414,8 +419,9 @@ class Transport {
 
   // Stops the I/O threads after closing every Connection (on_closed runs with
   // kCancelled for those still open, during this destructor), so whatever the
-  // Handlers refer to must outlive the Transport. Blocks until every I/O
-  // object is gone. Must not be called from an I/O thread, nor from a send's
+  // Handlers refer to must outlive the Transport. Cancels the connect() calls
+  // in progress and waits for them. Blocks until every I/O object is gone.
+  // Must not be called from an I/O thread, nor from a send's
   // completion (`done`), which may run on the thread that called send(): a
   // close waits for it (see send()).
   virtual ~Transport() = default;
@@ -450,7 +456,7 @@ class Transport {
   // Errors: kInvalidArgument (address), kIo (refused/unreachable), kTimeout,
   // kAuth ("the server refused our auth token"), kVersionMismatch (naming
   // both versions), kProtocol (the peer is not an Ember server, or the
-  // channel counts differ).
+  // channel counts differ), kCancelled (~Transport began; see Lifetimes).
   virtual Result<std::shared_ptr<Connection>> connect(const std::string& address,
                                                       LocalIdentity self, Handlers handlers) = 0;
 

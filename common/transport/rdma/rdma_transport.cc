@@ -870,16 +870,23 @@ class RdmaTransport final : public Transport {
     return std::unique_ptr<Listener>(new ListenerHandle<ListenerState>(state));
   }
 
+  // Races ~RdmaTransport safely once begin_connect() ran: from there on only
+  // `core` is used (never this object), and ~RdmaTransport waits for the
+  // scope to end before it stops the CM and poller threads. Unlike tcp and
+  // shm, the wait for the CM reply is not cut short (it ends at
+  // connect_timeout at the latest).
   Result<std::shared_ptr<Connection>> connect(const std::string& address, LocalIdentity self,
                                               Handlers handlers) override {
+    const std::shared_ptr<Core> core = core_;
+    EMBER_ASSIGN_OR_RETURN(auto in_progress, core->begin_connect());
     EMBER_TRY(require_handlers(handlers, "connect"));
-    if (core_->io->on_io_thread() || core_->cm->on_thread()) {
+    if (core->io->on_io_thread() || core->cm->on_thread()) {
       return make_error(ErrorCode::kInvalidArgument,
                         "connect() blocks and must not be called on an I/O thread");
     }
     EMBER_ASSIGN_OR_RETURN(auto endpoint, tcp::resolve_endpoint(address));
-    core_->sealed.store(true);
-    const Options& o = core_->options;
+    core->sealed.store(true);
+    const Options& o = core->options;
     const auto deadline = Clock::now() + o.connect_timeout;
     std::random_device rd;
     const std::uint64_t session =
@@ -892,11 +899,11 @@ class RdmaTransport final : public Transport {
     info.role = Role::kServer;
     info.num_channels = o.num_channels;
     info.address = peer_address;
-    auto conn = std::make_shared<RdmaConnection>(core_, info, std::move(handlers));
-    auto abort = [&] { run_on_cm(*core_, [&] { conn->abort_setup(); return 0; }); };
+    auto conn = std::make_shared<RdmaConnection>(core, info, std::move(handlers));
+    auto abort = [&] { run_on_cm(*core, [&] { conn->abort_setup(); return 0; }); };
     handshake::Reply last;
     for (std::uint32_t c = 0; c < o.num_channels; ++c) {
-      Status prepared = run_on_cm(*core_, [&] { return conn->channel(c).prepare(); });
+      Status prepared = run_on_cm(*core, [&] { return conn->channel(c).prepare(); });
       if (!prepared) {
         abort();
         return tl::unexpected<Error>(prepared.error());
@@ -910,9 +917,9 @@ class RdmaTransport final : public Transport {
       hello.session_id = session;
       hello.max_message_bytes = o.max_message_bytes;
       hello.token = o.auth_token;
-      auto attempt = std::make_shared<ConnectAttempt>(core_, conn, c, dst, peer_address, deadline,
+      auto attempt = std::make_shared<ConnectAttempt>(core, conn, c, dst, peer_address, deadline,
                                                       protocol::encode_connect_data(hello));
-      core_->cm->post([attempt] { attempt->begin(); });
+      core->cm->post([attempt] { attempt->begin(); });
       auto reply = attempt->wait();
       if (!reply) {
         abort();
@@ -925,7 +932,7 @@ class RdmaTransport final : public Transport {
     info.role = last.role;
     info.rank = last.rank;
     conn->set_peer(info);
-    core_->add_connection(conn);
+    core->add_connection(conn);
     conn->start();
     return std::shared_ptr<Connection>(conn);
   }

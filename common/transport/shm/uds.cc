@@ -27,7 +27,7 @@ Result<std::pair<sockaddr_un, socklen_t>> make_address(std::string_view address)
 }
 
 Status send_message(int fd, std::span<const std::byte> bytes, std::span<const int> fds,
-                    stream_io::Deadline deadline) {
+                    stream_io::Deadline deadline, int cancel_fd) {
   if (fds.size() > kMaxFdsPerMessage) {
     return make_error(ErrorCode::kInvalidArgument, "{} descriptors exceed one message's limit {}",
                       fds.size(), kMaxFdsPerMessage);
@@ -53,7 +53,7 @@ Status send_message(int fd, std::span<const std::byte> bytes, std::span<const in
     if (n >= 0) return make_error(ErrorCode::kIo, "short send of a control message");
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      EMBER_TRY(stream_io::wait_ready(fd, POLLOUT, deadline, "shm control send"));
+      EMBER_TRY(stream_io::wait_ready(fd, POLLOUT, deadline, "shm control send", cancel_fd));
       continue;
     }
     if (errno == EPIPE || errno == ECONNRESET) {
@@ -112,11 +112,11 @@ Result<Received> try_receive(int fd) {
   return r;
 }
 
-Result<Received> receive_message(int fd, stream_io::Deadline deadline) {
+Result<Received> receive_message(int fd, stream_io::Deadline deadline, int cancel_fd) {
   for (;;) {
     auto r = try_receive(fd);
     if (r || r.error().code() != ErrorCode::kTimeout) return r;
-    EMBER_TRY(stream_io::wait_ready(fd, POLLIN, deadline, "shm control receive"));
+    EMBER_TRY(stream_io::wait_ready(fd, POLLIN, deadline, "shm control receive", cancel_fd));
   }
 }
 

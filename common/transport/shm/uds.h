@@ -27,9 +27,10 @@ inline constexpr std::size_t kMaxControlMessageBytes = 64 * 1024;
 Result<std::pair<sockaddr_un, socklen_t>> make_address(std::string_view address);
 
 // Sends one message with `fds` attached (non-blocking socket; waits for room
-// until the deadline). Errors: kTimeout, kClosed, kIo.
+// until the deadline, or until `cancel_fd` is readable: stream_io::wait_ready).
+// Errors: kTimeout, kClosed, kIo, kCancelled.
 Status send_message(int fd, std::span<const std::byte> bytes, std::span<const int> fds,
-                    stream_io::Deadline deadline);
+                    stream_io::Deadline deadline, int cancel_fd = -1);
 
 // One received message and the descriptors that came with it (owned by the
 // caller). An empty `bytes` with closed == true means end of stream.
@@ -41,8 +42,9 @@ struct Received {
 // Receives one message without waiting. Errors: kTimeout (nothing there: use
 // as "would block"), kIo, kProtocol (truncated message or descriptors).
 Result<Received> try_receive(int fd);
-// Receives one message, waiting until the deadline. Errors as try_receive.
-Result<Received> receive_message(int fd, stream_io::Deadline deadline);
+// Receives one message, waiting until the deadline (or `cancel_fd`, as
+// send_message). Errors as try_receive, and kCancelled.
+Result<Received> receive_message(int fd, stream_io::Deadline deadline, int cancel_fd = -1);
 
 void close_fds(std::span<const int> fds) noexcept;
 

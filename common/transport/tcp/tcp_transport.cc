@@ -1410,15 +1410,22 @@ class TcpTransport final : public Transport {
     return std::unique_ptr<Listener>(new ListenerHandle<ListenerCore>(lc));
   }
 
+  // Races ~TcpTransport safely once begin_connect() ran: from there on only
+  // `core` is used (never this object, which ~TcpTransport may free as soon
+  // as `in_progress` ends), and ~TcpTransport cancels the handshake's waits
+  // and waits for the scope to end before it joins the I/O threads.
   Result<std::shared_ptr<Connection>> connect(const std::string& address, LocalIdentity self,
                                               Handlers handlers) override {
+    const std::shared_ptr<Core> core = core_;
+    EMBER_ASSIGN_OR_RETURN(auto in_progress, core->begin_connect());
     EMBER_TRY(require_handlers(handlers, "connect"));
-    if (core_->io->on_io_thread()) {
+    if (core->io->on_io_thread()) {
       return make_error(ErrorCode::kInvalidArgument,
                         "connect() blocks and must not be called on an I/O thread");
     }
     EMBER_ASSIGN_OR_RETURN(tcp::endpoint endpoint, resolve_endpoint(address));
-    const Options& o = core_->options;
+    const Options& o = core->options;
+    const int cancel_fd = in_progress.cancel_fd();
     const auto deadline = Clock::now() + o.connect_timeout;
     std::random_device rd;
     const std::uint64_t session = (std::uint64_t{rd()} << 32) ^ rd() ^
@@ -1430,7 +1437,7 @@ class TcpTransport final : public Transport {
     };
     handshake::Reply last_reply;
     for (std::uint32_t c = 0; c < o.num_channels; ++c) {
-      auto fd = connect_one(endpoint, deadline);
+      auto fd = connect_one(endpoint, deadline, cancel_fd);
       if (!fd) {
         close_all();
         Error e = std::move(fd).error();
@@ -1447,7 +1454,7 @@ class TcpTransport final : public Transport {
       hello.session_id = session;
       hello.max_message_bytes = o.max_message_bytes;
       hello.token = o.auth_token;
-      auto reply = exchange_hello(*fd, hello, deadline, address);
+      auto reply = exchange_hello(*fd, hello, deadline, address, cancel_fd);
       if (!reply) {
         close_all();
         return tl::unexpected<Error>(std::move(reply).error());
@@ -1459,13 +1466,14 @@ class TcpTransport final : public Transport {
     info.rank = last_reply.rank;
     info.num_channels = o.num_channels;
     info.address = endpoint_to_string(endpoint);
-    auto conn = std::make_shared<TcpConnection>(core_, info, std::move(handlers));
+    auto conn = std::make_shared<TcpConnection>(core, info, std::move(handlers));
     if (Status st = conn->init(std::move(fds)); !st) {
       conn->suppress_on_closed();
       conn->fail(st.error());  // tears down the channels made so far
       return tl::unexpected<Error>(st.error());
     }
-    core_->add_connection(conn);
+    // Failed at once (kCancelled) when ~TcpTransport began meanwhile.
+    core->add_connection(conn);
     conn->start();
     return std::shared_ptr<Connection>(conn);
   }
@@ -1473,7 +1481,8 @@ class TcpTransport final : public Transport {
   bool on_io_thread() const noexcept override { return core_->io->on_io_thread(); }
 
  private:
-  static Result<int> connect_one(const tcp::endpoint& endpoint, stream_io::Deadline deadline) {
+  static Result<int> connect_one(const tcp::endpoint& endpoint, stream_io::Deadline deadline,
+                                 int cancel_fd) {
     const int fd = ::socket(endpoint.address().is_v6() ? AF_INET6 : AF_INET,
                             SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) return make_sys_error(errno, "socket()");
@@ -1487,7 +1496,7 @@ class TcpTransport final : public Transport {
       ::close(fd);
       return make_sys_error(err, "connect to {}", endpoint_to_string(endpoint));
     }
-    if (auto s = stream_io::wait_ready(fd, POLLOUT, deadline, "connect"); !s) {
+    if (auto s = stream_io::wait_ready(fd, POLLOUT, deadline, "connect", cancel_fd); !s) {
       ::close(fd);
       return tl::unexpected<Error>(s.error());
     }
@@ -1503,12 +1512,12 @@ class TcpTransport final : public Transport {
 
   static Result<handshake::Reply> exchange_hello(int fd, const handshake::Hello& hello,
                                                  stream_io::Deadline deadline,
-                                                 const std::string& address) {
+                                                 const std::string& address, int cancel_fd) {
     auto bytes = handshake::encode(hello);
-    EMBER_TRY(stream_io::write_all(fd, bytes, deadline, "handshake"));
+    EMBER_TRY(stream_io::write_all(fd, bytes, deadline, "handshake", cancel_fd));
     auto raw = stream_io::read_message(
         fd, [](std::span<const std::byte> p) { return handshake::reply_bytes_missing(p); }, deadline,
-        "handshake reply");
+        "handshake reply", cancel_fd);
     if (!raw) {
       Error e = std::move(raw).error();
       e.with_context(fmt::format("handshake with {}", address));

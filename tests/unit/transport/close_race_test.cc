@@ -6,15 +6,26 @@
 // (label unit-tsan): the races are the point.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <future>
+#include <iostream>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/transport/shm/uds.h"
+#include "common/transport/stream_io.h"
 #include "common/transport/transport.h"
 #include "tests/unit/transport/transport_test_util.h"
 
@@ -494,6 +505,243 @@ TEST_P(LateCloseRace, ListenerDestroyedByOnClosedDuringTransportDestructionIsFre
 }
 
 INSTANTIATE_TEST_SUITE_P(All, LateCloseRace, ::testing::Values(Kind::kTcp, Kind::kShm),
+                         [](const auto& p) { return std::string(kind_name(p.param)); });
+
+// Transport::connect() on one thread while another destroys the same
+// Transport (transport.h, Lifetimes): connect() either finishes before the
+// I/O threads are joined, and its Connection is closed by ~Transport like
+// the others (on_closed once, with kCancelled), or is refused (kCancelled,
+// or kClosed when the peer went too); it never hangs, and ~Transport neither
+// waits for a connect() stuck in a handshake nor returns while one still
+// uses the Transport (regression: ~Transport did not know of connect(), so a
+// handshake that finished after it returned built its Connection on a freed
+// Transport and on I/O threads that had been joined).
+class ConnectCloseRace : public ::testing::TestWithParam<Kind> {
+ protected:
+  Options options() const {
+    Options o = tcp_options();
+    o.kind = GetParam();
+    // Long: a connect() that returns only at its timeout counts as a hang
+    // below (kDeadline is shorter).
+    o.connect_timeout = 60s;
+    return o;
+  }
+  static constexpr auto kDeadline = 15s;
+
+  // The outcome of one connect() on a thread of its own.
+  struct Connector {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::atomic<bool> entering{false};
+    bool returned = false;
+    std::optional<Result<std::shared_ptr<Connection>>> result;
+    std::thread thread;
+
+    // `tx` may be destroyed by another thread once `entering` is set.
+    void start(Transport* tx, std::string address, Handlers handlers) {
+      thread = std::thread([this, tx, address = std::move(address), handlers = std::move(handlers)] {
+        entering.store(true);
+        auto r = tx->connect(address, {Role::kWorker, 0}, handlers);
+        std::lock_guard lock(mu);
+        result.emplace(std::move(r));
+        returned = true;
+        cv.notify_all();
+      });
+    }
+    bool wait_returned(std::chrono::milliseconds timeout) {
+      std::unique_lock lock(mu);
+      return cv.wait_for(lock, timeout, [&] { return returned; });
+    }
+  };
+
+  // Destroys `tx` on a thread of its own; true when ~Transport returned
+  // within `timeout` (the thread is joined by join()).
+  struct Destroyer {
+    std::promise<void> destroyed;
+    std::future<void> done = destroyed.get_future();
+    std::thread thread;
+    void start(std::unique_ptr<Transport>& tx) {
+      thread = std::thread([this, &tx] {
+        tx.reset();
+        destroyed.set_value();
+      });
+    }
+    bool wait(std::chrono::milliseconds timeout) {
+      return done.wait_for(timeout) == std::future_status::ready;
+    }
+    void join() {
+      if (thread.joinable()) thread.join();
+    }
+  };
+
+  // What connect() returned, checked against the contract: a Connection got
+  // on_closed exactly once (during ~Transport, which has returned) and is
+  // freed once dropped; an error is a refusal and no on_closed ran.
+  // Returns whether a Connection came back.
+  static bool check_outcome(Connector& connector, SenderSide& side) {
+    std::shared_ptr<Connection> conn;
+    {
+      std::lock_guard lock(connector.mu);
+      if (!connector.result) return false;
+      if (*connector.result) {
+        conn = std::move(**connector.result);
+        connector.result.reset();
+      } else {
+        const Error& e = connector.result->error();
+        EXPECT_TRUE(e.code() == ErrorCode::kCancelled || e.code() == ErrorCode::kClosed)
+            << "connect() failed other than by a refusal: " << e.to_string();
+      }
+    }
+    std::lock_guard lock(side.mu);
+    if (!conn) {
+      EXPECT_EQ(side.closed_calls, 0) << "on_closed ran for a Connection never handed out";
+      return false;
+    }
+    EXPECT_EQ(side.closed_calls, 1)
+        << "the Connection connect() returned did not get on_closed exactly once during ~Transport";
+    EXPECT_TRUE(conn->is_closed());
+    const std::weak_ptr<Connection> watch = conn;
+    conn->close(0ns);  // after ~Transport: a no-op
+    conn.reset();
+    EXPECT_TRUE(watch.expired()) << "the Connection (and its Transport's core) leaked";
+    return true;
+  }
+};
+
+// The moment of destruction sweeps over the whole connect(), round by round
+// (a spin on the clock: a chosen delay, not a wait for a condition), from a
+// twentieth of a connect() after the call to twice its length (the first
+// delay also lets the connector step into the call: a connect() that starts
+// after ~Transport returned is a call on a freed object). Four channels:
+// more handshakes and more set-up between them.
+TEST_P(ConnectCloseRace, DestroyingTheTransportDuringConnectNeverHangsOrLeaks) {
+  constexpr int kRounds = 40;
+  Options o = options();
+  o.num_channels = 4;
+  Inbox server_in;
+  server_in.check_pattern_bytes = false;
+  auto server = Transport::create(o);
+  ASSERT_TRUE(server) << server.error().to_string();
+  std::unique_ptr<Transport> server_tx = std::move(*server);
+  const std::string where = GetParam() == Kind::kShm
+                                ? "@ember-connect-race-" + std::to_string(::getpid())
+                                : "127.0.0.1:0";
+  auto l = server_tx->listen(where, {Role::kServer, 0}, server_in.acceptor(), server_in.handlers());
+  ASSERT_TRUE(l) << l.error().to_string();
+  std::unique_ptr<Listener> listener = std::move(*l);
+  std::chrono::nanoseconds connect_time{0};
+  int connected = 0, refused = 0;
+  for (int round = -1; round < kRounds; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    SenderSide side;
+    auto client = Transport::create(o);
+    ASSERT_TRUE(client) << client.error().to_string();
+    std::unique_ptr<Transport> client_tx = std::move(*client);
+    Connector connector;
+    const auto start = std::chrono::steady_clock::now();
+    connector.start(client_tx.get(), listener->address(), side.handlers());
+    if (round < 0) {
+      // Calibration: how long a whole connect() takes here.
+      ASSERT_TRUE(connector.wait_returned(kDeadline));
+      connect_time = std::chrono::steady_clock::now() - start;
+      connector.thread.join();
+      ASSERT_TRUE(connector.result && *connector.result)
+          << connector.result->error().to_string();
+      connector.result.reset();
+      client_tx.reset();
+      EXPECT_EQ(side.closed_calls, 1);
+      continue;
+    }
+    while (!connector.entering.load()) std::this_thread::yield();
+    const auto at = start + connect_time * 2 * (round + 1) / kRounds;
+    while (std::chrono::steady_clock::now() < at) {
+    }
+    Destroyer destroyer;
+    destroyer.start(client_tx);
+    const bool destroyed = destroyer.wait(kDeadline);
+    EXPECT_TRUE(destroyed) << "~Transport hung while connect() was in progress";
+    const bool returned = connector.wait_returned(kDeadline);
+    EXPECT_TRUE(returned) << "connect() hung while its Transport was destroyed";
+    // A hang ends at connect_timeout; the joins wait for it.
+    destroyer.join();
+    connector.thread.join();
+    if (check_outcome(connector, side)) {
+      ++connected;
+    } else {
+      ++refused;
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+  std::cout << "[          ] " << connected << " round(s) connected, " << refused
+            << " refused\n";
+  listener.reset();
+  server_tx.reset();
+}
+
+// A peer that accepts and reads the hello, then never answers: connect()
+// waits in its handshake when ~Transport begins. ~Transport must cancel it
+// (kCancelled) rather than wait out connect_timeout, and the connect() must
+// not go on waiting for a peer on behalf of a Transport that is gone.
+TEST_P(ConnectCloseRace, DestroyingTheTransportCancelsAConnectStalledInTheHandshake) {
+  const bool shm = GetParam() == Kind::kShm;
+  // The silent peer: a bare listening socket.
+  const int lfd = shm ? ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0)
+                      : ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(lfd, 0) << std::strerror(errno);
+  std::string address;
+  if (shm) {
+    address = "@ember-connect-stall-" + std::to_string(::getpid());
+    auto sa = shm::make_address(address);
+    ASSERT_TRUE(sa) << sa.error().to_string();
+    ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&sa->first), sa->second), 0)
+        << std::strerror(errno);
+  } else {
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0) << std::strerror(errno);
+    socklen_t len = sizeof sa;
+    ASSERT_EQ(::getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len), 0);
+    address = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  }
+  ASSERT_EQ(::listen(lfd, 4), 0) << std::strerror(errno);
+
+  SenderSide side;
+  auto client = Transport::create(options());
+  ASSERT_TRUE(client) << client.error().to_string();
+  std::unique_ptr<Transport> client_tx = std::move(*client);
+  Connector connector;
+  connector.start(client_tx.get(), address, side.handlers());
+  // Accepted, and the hello is in: connect() now waits for the reply.
+  const auto deadline = std::chrono::steady_clock::now() + kDeadline;
+  pollfd p{lfd, POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 15000), 1) << "connect() never reached the peer";
+  const int peer = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+  ASSERT_GE(peer, 0) << std::strerror(errno);
+  EXPECT_TRUE(stream_io::wait_ready(peer, POLLIN, deadline, "hello"));
+
+  Destroyer destroyer;
+  destroyer.start(client_tx);
+  const bool destroyed = destroyer.wait(kDeadline);
+  EXPECT_TRUE(destroyed) << "~Transport waited for a connect() stalled in its handshake";
+  const bool returned = connector.wait_returned(kDeadline);
+  EXPECT_TRUE(returned) << "connect() still waits for its peer after its Transport was destroyed";
+  // Unblocks whichever hung: connect() then reads end of stream.
+  ::close(peer);
+  destroyer.join();
+  connector.thread.join();
+  {
+    std::lock_guard lock(connector.mu);
+    ASSERT_TRUE(connector.result);
+    ASSERT_FALSE(*connector.result) << "a handshake nobody answered gave a Connection";
+    EXPECT_EQ(connector.result->error().code(), ErrorCode::kCancelled)
+        << "got " << connector.result->error().to_string();
+  }
+  EXPECT_FALSE(check_outcome(connector, side));
+  ::close(lfd);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ConnectCloseRace, ::testing::Values(Kind::kTcp, Kind::kShm),
                          [](const auto& p) { return std::string(kind_name(p.param)); });
 
 }  // namespace
