@@ -551,9 +551,14 @@ bool Channel::post_write_locked(TxEntry& e, Deferred& d) {
     wr.num_sge = 1;
     wr.wr.rdma.remote_addr = e.grant.address + e.write_offset;
     wr.wr.rdma.rkey = e.grant.rkey;
+    // Counted before the post: the peer may take the message, and a test
+    // read the count, before this thread runs again (rxe in a 2-vCPU guest:
+    // CI, 2026-12-01, 15 of 16 counted after the 16th had arrived).
+    if (last) conn_->writes_posted.fetch_add(1, std::memory_order_relaxed);
     const int rc = ::ibv_post_send(qp_, &wr, &bad);
     conn_->write_syscalls.fetch_add(1, std::memory_order_relaxed);
     if (rc != 0) {
+      if (last) conn_->writes_posted.fetch_sub(1, std::memory_order_relaxed);
       if (!d.fail) {
         d.fail = Error(ErrorCode::kIo,
                        fmt::format("ibv_post_send of an RDMA write of {} on channel {} to {} failed",
@@ -572,7 +577,6 @@ bool Channel::post_write_locked(TxEntry& e, Deferred& d) {
     f.write = true;
     if (last) {
       --credits_;
-      conn_->writes_posted.fetch_add(1, std::memory_order_relaxed);
       f.frame = true;
       f.flow_bytes = e.flow_bytes;
       f.messages = 1;
@@ -1113,8 +1117,12 @@ bool Channel::on_rts(std::span<const std::byte> body) {
 bool Channel::on_grant(std::span<const std::byte> body) {
   auto g = protocol::decode_grant(body);
   if (!g) return protocol_error(g.error().message());
-  conn_->grants_received.fetch_add(1, std::memory_order_relaxed);
   std::lock_guard lock(mu_);
+  // Counted under mu_: a sender that saw the count takes mu_ before it looks
+  // for a cached slot, so it finds this grant there (counted before the lock,
+  // a send in between went by RTS although the slot had arrived: CI,
+  // 2026-12-01, RepeatedSizesReuseGrantedSlotsAndChangedSizesAskAgain).
+  conn_->grants_received.fetch_add(1, std::memory_order_relaxed);
   if (!queue_.empty()) {
     TxEntry& head = queue_.front();
     if (head.kind == EntryKind::kLarge && head.state == LargeState::kAwaitGrant) {
