@@ -210,6 +210,11 @@ Result<TransportRegistry::ConnectScope> TransportRegistry::begin_connect() {
   return ConnectScope(this, connect_cancel_fd_);
 }
 
+std::size_t TransportRegistry::connects_in_progress() {
+  std::lock_guard lock(mu_);
+  return connects_in_progress_;
+}
+
 void TransportRegistry::end_connect() {
   std::lock_guard lock(mu_);
   if (--connects_in_progress_ == 0) cv_.notify_all();

@@ -214,6 +214,8 @@ class TransportRegistry {
   // ("the transport is shutting down") once shut_down() began; kIo when the
   // eventfd (made by the first connect) cannot be created.
   Result<ConnectScope> begin_connect();
+  // connect() calls between begin_connect() and their return.
+  std::size_t connects_in_progress();
 
   // I/O objects (channels, control links, acceptors) not yet destroyed.
   void io_object_added();

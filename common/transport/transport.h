@@ -462,6 +462,12 @@ class Transport {
 
   // True when the calling thread is one of this Transport's I/O threads.
   virtual bool on_io_thread() const noexcept = 0;
+
+  // How many connect() calls are in progress: past their start (from there
+  // on a ~Transport on another thread cancels them rather than racing them;
+  // see Lifetimes) and not yet returned. For diagnostics and tests.
+  // Thread-safe; no error.
+  virtual std::size_t connects_in_progress() const noexcept = 0;
 };
 
 }  // namespace ember::transport

@@ -938,6 +938,7 @@ class RdmaTransport final : public Transport {
   }
 
   bool on_io_thread() const noexcept override { return core_->io->on_io_thread(); }
+  std::size_t connects_in_progress() const noexcept override { return core_->connects_in_progress(); }
 
  private:
   std::shared_ptr<Core> core_;

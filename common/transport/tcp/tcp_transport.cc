@@ -1479,6 +1479,7 @@ class TcpTransport final : public Transport {
   }
 
   bool on_io_thread() const noexcept override { return core_->io->on_io_thread(); }
+  std::size_t connects_in_progress() const noexcept override { return core_->connects_in_progress(); }
 
  private:
   static Result<int> connect_one(const tcp::endpoint& endpoint, stream_io::Deadline deadline,

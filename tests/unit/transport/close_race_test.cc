@@ -247,7 +247,9 @@ TEST_P(SmallSendCloseRace, SmallSendCompletionsComeBeforeOnClosed) {
         }
       });
     }
-    EXPECT_TRUE(client.wait_accepted(50 + 10 * round))
+    // Large rounds: fewer (each 64 KiB copied; slow under TSan), enough that
+    // senders are mid-send at the destruction.
+    EXPECT_TRUE(client.wait_accepted(kPayloadBytes == 64 ? 50 + 10 * round : 10 + round / 2))
         << client.refusals() << "; the receiving side "
         << (link.server_in.closed ? "closed: " + link.server_in.closed->to_string() : std::string("is open"));
     client.check_close_during_transport_destruction(link, [&] {
@@ -532,21 +534,24 @@ class ConnectCloseRace : public ::testing::TestWithParam<Kind> {
   struct Connector {
     std::mutex mu;
     std::condition_variable cv;
-    std::atomic<bool> entering{false};
     bool returned = false;
     std::optional<Result<std::shared_ptr<Connection>>> result;
     std::thread thread;
 
-    // `tx` may be destroyed by another thread once `entering` is set.
+    // `tx` may be destroyed by another thread once tx->connects_in_progress()
+    // counts this call (or it returned).
     void start(Transport* tx, std::string address, Handlers handlers) {
       thread = std::thread([this, tx, address = std::move(address), handlers = std::move(handlers)] {
-        entering.store(true);
         auto r = tx->connect(address, {Role::kWorker, 0}, handlers);
         std::lock_guard lock(mu);
         result.emplace(std::move(r));
         returned = true;
         cv.notify_all();
       });
+    }
+    bool has_returned() {
+      std::lock_guard lock(mu);
+      return returned;
     }
     bool wait_returned(std::chrono::milliseconds timeout) {
       std::unique_lock lock(mu);
@@ -610,10 +615,9 @@ class ConnectCloseRace : public ::testing::TestWithParam<Kind> {
 
 // The moment of destruction sweeps over the whole connect(), round by round
 // (a spin on the clock: a chosen delay, not a wait for a condition), from a
-// twentieth of a connect() after the call to twice its length (the first
-// delay also lets the connector step into the call: a connect() that starts
-// after ~Transport returned is a call on a freed object). Four channels:
-// more handshakes and more set-up between them.
+// twentieth of a connect() after the call to twice its length, and never
+// before the connect() has started (Transport::connects_in_progress). Four
+// channels: more handshakes and more set-up between them.
 TEST_P(ConnectCloseRace, DestroyingTheTransportDuringConnectNeverHangsOrLeaks) {
   constexpr int kRounds = 40;
   Options o = options();
@@ -652,7 +656,19 @@ TEST_P(ConnectCloseRace, DestroyingTheTransportDuringConnectNeverHangsOrLeaks) {
       EXPECT_EQ(side.closed_calls, 1);
       continue;
     }
-    while (!connector.entering.load()) std::this_thread::yield();
+    // Not before connect() is inside (counted by connects_in_progress()):
+    // a connect() that starts after ~Transport returned is a call on a freed
+    // object (the connector thread can be preempted for any time before it
+    // gets there). A connect() that already returned is fine too.
+    {
+      const auto deadline = std::chrono::steady_clock::now() + kDeadline;
+      while (client_tx->connects_in_progress() == 0 && !connector.has_returned() &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+      ASSERT_TRUE(client_tx->connects_in_progress() > 0 || connector.has_returned())
+          << "connect() neither started nor returned";
+    }
     const auto at = start + connect_time * 2 * (round + 1) / kRounds;
     while (std::chrono::steady_clock::now() < at) {
     }
