@@ -1447,23 +1447,22 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
   // may still go between fragments: the receiver delivers them on their own.
   const std::size_t per_slot = tx_->body_bytes();
   const bool can_wait = wait.count() > 0 && !conn_->core().io->on_io_thread();
-  if (!can_wait && fragmenting_) {
-    return fail_with(Error(
-        ErrorCode::kTimeout,
-        fmt::format("shm channel {}: another message from unregistered memory is being copied "
-                    "through the ring, and this caller cannot wait (I/O thread or zero wait); "
-                    "send it from a registered region or from another thread",
-                    index_)));
-  }
   if (can_wait) {
     if (Status s = wait_locked(lock, wait, "another message from unregistered memory is being copied",
                                [&] { return !fragmenting_; });
         !s) {
       return fail_with(s.error());  // nothing of this message was written
     }
-  }
-  if (!can_wait) {
+  } else {
     // A caller that cannot wait gets all of the message in or none of it.
+    if (fragmenting_) {
+      return fail_with(Error(
+          ErrorCode::kTimeout,
+          fmt::format("shm channel {}: another message from unregistered memory is being copied "
+                      "through the ring, and this caller cannot wait (I/O thread or zero wait); "
+                      "send it from a registered region or from another thread",
+                      index_)));
+    }
     const std::uint64_t needed = (size + per_slot - 1) / per_slot;
     const std::uint64_t free_slots =
         tx_->geometry().num_slots -
