@@ -7,8 +7,15 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 namespace ember {
 namespace worker_detail {
+
+std::string Op::what() const {
+  if (!what_text.empty() || what_verb.empty()) return what_text;
+  return fmt::format("{} of key {} step {} to server {}", what_verb, what_key, what_step, what_servers);
+}
 
 Result<std::uint64_t> Op::result_locked() const {
   if (error) return tl::unexpected(*error);

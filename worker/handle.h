@@ -61,6 +61,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -133,8 +134,20 @@ struct Op {
   // (transport::Connection::poll) instead of waiting for the worker's I/O
   // thread to be scheduled. Empty over tcp and rdma.
   std::weak_ptr<transport::Connection> progress;
-  // What the operation is, for its timeout error (set before it is shared).
-  std::string what;
+  // What the operation is, for its timeout and out-of-step errors: what()
+  // returns `what_text` when set, else "<verb> of key <key> step <step> to
+  // server <servers>" from the what_* fields. That text is formatted only
+  // when an error needs it: formatted per request it was an allocation and
+  // a format on every push and pull. All set before the Op is shared.
+  std::string what_text;
+  std::string_view what_verb;     // static storage (proto::msg_type_name)
+  std::uint64_t what_key = 0;
+  std::uint64_t what_step = 0;
+  std::string_view what_servers;  // "0, 2": kept alive by `context`
+  std::string what() const;
+  // Keeps alive what what_servers, before_done and on_out_of_step refer to
+  // (the worker's state of the key).
+  std::shared_ptr<const void> context;
   // Runs under `mutex` just before the operation is marked done, so waiters
   // see its effects (the worker records a key's resume step here). Must not
   // block or touch this Op.

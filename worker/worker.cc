@@ -208,6 +208,7 @@ struct KeyState {
   std::vector<std::uint64_t> shape;
   std::uint64_t num_elements = 0;
   std::vector<placement::Chunk> chunks;
+  std::string servers;  // the chunks' servers, for error texts: "0, 2"
   std::atomic<std::uint64_t> next_step{0};
 };
 
@@ -731,7 +732,7 @@ Status Worker::Impl::join(ServerLink& link) {
 
 std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts, std::string what) {
   auto op = std::make_shared<Op>(parts);
-  op->what = std::move(what);
+  op->what_text = std::move(what);
   op->busy_poll = config.communication.busy_poll;
   std::vector<std::shared_ptr<Op>> keep;  // destroyed after the lock (see finished())
   {
@@ -781,9 +782,10 @@ void Worker::Impl::timer_loop() {
         std::lock_guard notes(notes_mutex);
         if (auto it = resend_notes.find(op.get()); it != resend_notes.end()) note = "; " + it->second;
       }
+      const std::string what = op->what();
       op->fail(Error(ErrorCode::kTimeout,
-                     fmt::format("{}{}no reply within [worker] request_timeout ({}){}", op->what,
-                                 op->what.empty() ? "" : ": ",
+                     fmt::format("{}{}no reply within [worker] request_timeout ({}){}", what,
+                                 what.empty() ? "" : ": ",
                                  std::chrono::duration_cast<std::chrono::milliseconds>(
                                      config.worker.request_timeout),
                                  note)));
@@ -1095,8 +1097,9 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
     if (h.status == ErrorCode::kOutOfStep) {
       // The reply's step is the step the server expects; the operation's
       // before_done moves the key's step there. Named like a timeout.
-      op.fail_out_of_step(Error(h.status, fmt::format("{}{}server {}: {}", op.what,
-                                                      op.what.empty() ? "" : ": ", server, text)),
+      const std::string what = op.what();
+      op.fail_out_of_step(Error(h.status, fmt::format("{}{}server {}: {}", what,
+                                                      what.empty() ? "" : ": ", server, text)),
                           h.step);
       return;
     }
@@ -1412,6 +1415,11 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
       slot->chunks = placement::chunk_plan(key, n * sizeof(float), sizeof(float),
                                            config.server.partition_bytes,
                                            static_cast<std::uint32_t>(servers.size()), num_channels);
+      std::vector<std::uint32_t> to;
+      for (const placement::Chunk& ch : slot->chunks) {
+        if (std::find(to.begin(), to.end(), ch.server) == to.end()) to.push_back(ch.server);
+      }
+      slot->servers = fmt::format("{}", fmt::join(to, ", "));
     }
     ks = slot;
   }
@@ -1479,20 +1487,23 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
   } else {
     s = ks->next_step.load(std::memory_order_acquire);
   }
-  std::vector<std::uint32_t> to;
-  for (const placement::Chunk& ch : ks->chunks) {
-    if (std::find(to.begin(), to.end(), ch.server) == to.end()) to.push_back(ch.server);
-  }
-  auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()),
-                   fmt::format("{} of key {} step {} to server {}", proto::msg_type_name(type), key,
-                               s, fmt::join(to, ", ")));
+  auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()));
+  op->what_verb = proto::msg_type_name(type);
+  op->what_key = key;
+  op->what_step = s;
+  op->what_servers = ks->servers;
+  // The callbacks below point at the key's state; the Op keeps it alive.
+  // (Raw pointers: the callbacks stay within std::function's own storage,
+  // where shared_ptr captures cost an allocation each per request.)
+  KeyState* const k = ks.get();
+  op->context = ks;
   // kOutOfStep: the server is at another step for this key (restored from
   // an older checkpoint); the caller continues from there.
-  op->on_out_of_step = [ks](std::uint64_t server_step) {
-    ks->next_step.store(server_step, std::memory_order_release);
+  op->on_out_of_step = [k](std::uint64_t server_step) {
+    k->next_step.store(server_step, std::memory_order_release);
   };
   if (sends && !step) {
-    op->before_done = [ks, s](const Result<std::uint64_t>& r) {
+    op->before_done = [k, s](const Result<std::uint64_t>& r) {
       // A push refused out of step does not give its step back: the counter
       // was reset to the server's step.
       if (r || r.error().code() == ErrorCode::kOutOfStep) return;
@@ -1502,7 +1513,7 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
       // dropped, and one it never saw is applied. Without this, a push that
       // never reached the server left a hole the BSP round waits on forever.
       std::uint64_t expected = s + 1;
-      ks->next_step.compare_exchange_strong(expected, s, std::memory_order_acq_rel);
+      k->next_step.compare_exchange_strong(expected, s, std::memory_order_acq_rel);
     };
   }
   const auto grad_bytes = std::as_bytes(gradient);
