@@ -298,12 +298,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // sending it now. Never blocks; thread-safe. Errors: kInvalidArgument,
   // kClosed.
   virtual Status flush(std::uint32_t channel) = 0;
-  // Hint that a burst of sends on `channel` follows: the transport may hold
-  // them back until flush(channel) or flush_all() and then write them
-  // together (tcp gathers up to 64 buffers per system call; it also writes
-  // once the held queue reaches 32 messages or 256 KiB, and before a send
-  // would wait for room under max_queued_bytes). shm and rdma publish each message
-  // as it is sent and ignore it. Thread-safe; never blocks; no error.
+  // Hint that a burst of sends on `channel` follows, until flush(channel)
+  // or flush_all(). The transport then closes a batch only when it is full
+  // or at the flush (not after flush_interval), so a burst of small
+  // messages leaves in full batches; tcp also holds the written frames back
+  // and writes them together (up to 64 buffers per system call; it writes
+  // once the held queue reaches 32 frames or 256 KiB, and before a send
+  // would wait for room under max_queued_bytes). Messages sent
+  // while corked may wait for the flush: a corking caller must flush.
+  // Thread-safe; never blocks; no error.
   virtual void cork(std::uint32_t channel) { (void)channel; }
   virtual Status flush_all() = 0;
 

@@ -271,7 +271,8 @@ void Channel::on_flush_timer() {
   {
     std::lock_guard lock(mu_);
     flush_timer_armed_ = false;
-    if (tx_closed_) return;
+    // Armed before a cork(): the batch now waits for the flush, or for being full.
+    if (tx_closed_ || corked_) return;
     close_batch_locked();
     pump_locked(d);
   }
@@ -384,7 +385,7 @@ Status Channel::send_small(std::span<const std::byte> bytes) {
       open_flow_bytes_ += bytes.size();
       ++open_messages_;
       if (!core_.options.batching) close_batch_locked();
-      if (encoder_->is_open() && !flush_timer_armed_) {
+      if (encoder_->is_open() && !flush_timer_armed_ && !corked_) {
         flush_timer_armed_ = true;
         d.arm_flush_timer = started_;
       }
@@ -433,12 +434,18 @@ Status Channel::flush() {
   Deferred d;
   {
     std::lock_guard lock(mu_);
+    corked_ = false;
     if (tx_closed_) return make_error(ErrorCode::kClosed, "connection is closed");
     close_batch_locked();
     pump_locked(d);
   }
   run_deferred(d);
   return ok_status();
+}
+
+void Channel::cork() {
+  std::lock_guard lock(mu_);
+  corked_ = true;
 }
 
 void Channel::begin_goodbye() {

@@ -151,7 +151,10 @@ class Channel final : public Pollable {
   // --- any thread ---
   Status send_small(std::span<const std::byte> bytes);
   Status send_large(Buffer&& payload, SendCompletion&& done);
-  Status flush();
+  Status flush();  // closes the open batch and ends a cork()
+  // Until flush(): the open batch closes only once full (no flush timer), so
+  // a burst of small messages leaves in full batches.
+  void cork();
 
  private:
   enum class EntryKind : std::uint8_t { kBatch, kLarge, kGoodbye };
@@ -306,6 +309,7 @@ class Channel final : public Pollable {
   std::uint64_t next_wr_ = 0;
   bool peer_cannot_grant_ = false;         // a no-grant came: send fragments directly
   bool flush_timer_armed_ = false;
+  bool corked_ = false;  // cork() until flush()
   bool goodbye_queued_ = false;
   bool goodbye_sent_ok_ = false;
   bool tx_closed_ = false;
@@ -353,6 +357,7 @@ class RdmaConnection final : public ConnectionCore {
               std::chrono::nanoseconds wait) override;
   Status flush(std::uint32_t channel) override;
   Status flush_all() override;
+  void cork(std::uint32_t channel) override;
   void close(std::chrono::nanoseconds drain) override;
   RdmaStats rdma_stats() const noexcept;
   std::string debug_state();

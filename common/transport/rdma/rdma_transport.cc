@@ -214,6 +214,10 @@ Status RdmaConnection::flush(std::uint32_t channel) {
   return channels_[channel]->flush();
 }
 
+void RdmaConnection::cork(std::uint32_t channel) {
+  if (channel < channels_.size()) channels_[channel]->cork();
+}
+
 Status RdmaConnection::flush_all() {
   if (is_closed()) return closed_error();
   for (auto& ch : channels_) EMBER_TRY(ch->flush());

@@ -649,7 +649,10 @@ class Channel {
   std::atomic<std::uint64_t>* syscall_counter();
   Status send_small(std::span<const std::byte> bytes, nanoseconds wait);
   Status send_large(Buffer&& payload, SendCompletion&& done, nanoseconds wait, bool lend);
-  Status flush();
+  Status flush();  // publishes the open batch and ends a cork()
+  // Until flush(): the open batch is published only once full (no flush
+  // timer), so a burst of small messages leaves in full batches.
+  void cork();
   // Publishes the open batch and refuses further sends (any thread).
   void stop_sending();
   void final_drain();  // I/O thread: consume what the peer published before its goodbye
@@ -724,6 +727,7 @@ class Channel {
   std::vector<Inflight> inflight_;
   std::vector<std::uint32_t> free_tokens_;
   bool flush_timer_armed_ = false;
+  bool corked_ = false;   // cork() until flush()
   bool stopped_ = false;  // no new sends (closing)
   bool tx_closed_ = false;
   bool fragmenting_ = false;  // a sender is mid-way through a fragmented message (send_large)
@@ -835,6 +839,9 @@ class ShmConnection final : public ConnectionCore {
     EMBER_TRY(check_channel(channel));
     if (is_closed()) return closed_error();
     return channels_[channel]->flush();
+  }
+  void cork(std::uint32_t channel) override {
+    if (channel < channels_.size()) channels_[channel]->cork();
   }
   Status flush_all() override {
     if (is_closed()) return closed_error();
@@ -1387,7 +1394,7 @@ Status Channel::send_small(std::span<const std::byte> bytes, nanoseconds wait) {
   open_bytes_ += bytes.size();
   if (!options_.batching) publish_batch_locked();
   bool arm = false;
-  if (open_ && !flush_timer_armed_) {
+  if (open_ && !flush_timer_armed_ && !corked_) {
     flush_timer_armed_ = true;
     arm = true;
   }
@@ -1521,9 +1528,15 @@ Status Channel::send_large(Buffer&& payload, SendCompletion&& done, nanoseconds 
 
 Status Channel::flush() {
   std::lock_guard lock(mu_);
+  corked_ = false;
   if (tx_closed_) return make_error(ErrorCode::kClosed, "shm connection is closed");
   publish_batch_locked();
   return ok_status();
+}
+
+void Channel::cork() {
+  std::lock_guard lock(mu_);
+  corked_ = true;
 }
 
 void Channel::stop_sending() {
@@ -1539,7 +1552,8 @@ void Channel::arm_flush_timer() {
   auto fire = [this] {
     std::lock_guard lock(mu_);
     flush_timer_armed_ = false;
-    if (!tx_closed_) publish_batch_locked();
+    // Armed before a cork(): the batch now waits for the flush, or for being full.
+    if (!tx_closed_ && !corked_) publish_batch_locked();
   };
   if (options_.flush_interval.count() == 0) {
     fire();

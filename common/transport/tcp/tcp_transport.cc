@@ -252,7 +252,10 @@ class Channel {
   std::vector<std::unique_ptr<std::byte, FreeDeleter>> batch_storage_;
   std::vector<std::byte*> free_batches_;
   bool writer_active_ = false;
-  bool corked_ = false;  // under mu_: sends queue without writing until flush()
+  // Under mu_: sends queue without writing until flush(), and the open batch
+  // stays open until it is full or flushed (no flush timer), so a corked
+  // burst of small messages leaves in full batches.
+  bool corked_ = false;
   bool in_syscall_ = false;
   bool flush_timer_armed_ = false;
   bool goodbye_queued_ = false;
@@ -567,7 +570,7 @@ Status Channel::send_small(std::span<const std::byte> bytes, bool control, Finis
   // Control items go at once; without batching every message is its own frame.
   if (control || !options_.batching) close_batch_locked();
   bool arm_timer = false;
-  if (encoder_.is_open() && !flush_timer_armed_) {
+  if (encoder_.is_open() && !flush_timer_armed_ && !corked_) {
     flush_timer_armed_ = true;
     arm_timer = true;
   }
@@ -679,7 +682,8 @@ void Channel::arm_flush_timer() {
 void Channel::on_flush_timer() {
   std::unique_lock lock(mu_);
   flush_timer_armed_ = false;
-  if (tx_closed_) return;
+  // Armed before a cork(): the batch now waits for the flush, or for being full.
+  if (tx_closed_ || corked_) return;
   close_batch_locked();
   const bool must_write = claim_writer_locked();
   lock.unlock();

@@ -16,6 +16,7 @@
 #include "common/memory/page_pool.h"
 #include "common/transport/pool_buffer.h"
 #include "common/transport/transport.h"
+#include "common/wire/wire_format.h"
 #include "tests/unit/transport/transport_test_util.h"
 
 namespace ember::transport {
@@ -181,6 +182,52 @@ TEST_P(TransportTest, ManySmallMessagesKeepOrderFromConcurrentSenders) {
   EXPECT_EQ(stats.messages_sent, kThreads * kPerThread);
   // Batching: far fewer frames than messages.
   EXPECT_LT(stats.frames_sent * 10, stats.messages_sent);
+}
+
+// Connection::cork: a burst of small messages sent after it leaves in full
+// batches. Without it flush_interval 0 closes a batch as soon as the I/O
+// thread gets to it, so a burst leaves in as many frames as the I/O thread
+// happened to look (bench/pushpull's pipelined tiny keys). While corked,
+// only a full batch, a flush or a control item (tcp's heartbeat) closes one,
+// so the frame count below is deterministic.
+TEST_P(TransportTest, ACorkedBurstOfSmallMessagesLeavesInFullBatches) {
+  Inbox server_in, client_in;
+  const Mode mode = GetParam();
+  auto server_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(server_tx);
+  auto client_tx = Transport::create(options_for(mode));
+  ASSERT_TRUE(client_tx);
+  auto listener = (*server_tx)->listen(address_for(mode, "cork"), {Role::kServer, 0},
+                                       server_in.acceptor(), server_in.handlers());
+  ASSERT_TRUE(listener);
+  auto conn = (*client_tx)->connect((*listener)->address(), {Role::kWorker, 0}, client_in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  constexpr std::uint64_t kMessages = 2000;
+  constexpr std::size_t kBytes = 96;
+  for (int round = 0; round < 3; ++round) {
+    const ConnectionStats before = (*conn)->stats();
+    (*conn)->cork(0);
+    std::vector<std::byte> msg(kBytes);
+    for (std::uint64_t i = 0; i < kMessages; ++i) {
+      const std::uint64_t seq = round * kMessages + i;
+      fill_pattern(msg, 0, seq);
+      ASSERT_TRUE((*conn)->send(0, msg));
+    }
+    ASSERT_TRUE((*conn)->flush(0));
+    ASSERT_TRUE(server_in.wait_count(0, (round + 1) * kMessages));
+    const ConnectionStats after = (*conn)->stats();
+    EXPECT_EQ(after.messages_sent - before.messages_sent, kMessages);
+    // A full batch holds (4096 - header) / (96 + item entry) messages: at
+    // least 30. Allow one early close per heartbeat and the flush's batch.
+    const std::uint64_t per_batch = (4096 - wire::kHeaderBytes) / (kBytes + wire::kItemEntryBytes);
+    const std::uint64_t heartbeats = after.heartbeats_sent - before.heartbeats_sent;
+    const std::uint64_t frames = after.frames_sent - before.frames_sent - heartbeats;
+    EXPECT_LE(frames, kMessages / per_batch + 1 + heartbeats)
+        << "round " << round << ": " << frames << " frames for " << kMessages << " messages";
+  }
+  std::lock_guard lock(server_in.mu);
+  ASSERT_EQ(server_in.sizes[0].size(), 3 * kMessages);
+  for (std::size_t i = 0; i < server_in.intact[0].size(); ++i) EXPECT_TRUE(server_in.intact[0][i]) << i;
 }
 
 // Several senders per channel, one for each way a message can go (small:

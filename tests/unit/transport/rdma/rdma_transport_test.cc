@@ -27,6 +27,7 @@
 #include "common/transport/pool_buffer.h"
 #include "common/transport/rdma/rdma_transport.h"
 #include "common/transport/transport.h"
+#include "common/wire/wire_format.h"
 #include "tests/unit/transport/rdma/rdma_test_util.h"
 #include "tests/unit/transport/transport_test_util.h"
 
@@ -240,6 +241,47 @@ TEST_P(RdmaSuite, ManySmallMessagesKeepOrderFromConcurrentSenders) {
   const ConnectionStats stats = (*conn)->stats();
   EXPECT_EQ(stats.messages_sent, kThreads * kPerThread);
   EXPECT_LT(stats.frames_sent * 10, stats.messages_sent);  // batching
+}
+
+// Connection::cork: a corked burst of small messages leaves in full batches
+// (see the same test in transport_test.cc); without the cork's effect on the
+// flush timer, flush_interval 0 closed a batch whenever the I/O thread ran.
+TEST_P(RdmaSuite, ACorkedBurstOfSmallMessagesLeavesInFullBatches) {
+  auto server = Side::make(GetParam().pool_receive, 1, 4);
+  auto client = Side::make(GetParam().pool_receive, 1, 4);
+  Inbox server_in, client_in;
+  auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
+                                            server_in.handlers());
+  ASSERT_TRUE(listener);
+  auto conn = client->transport->connect((*listener)->address(), {Role::kWorker, 0}, client_in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  constexpr std::uint64_t kMessages = 2000;
+  constexpr std::size_t kBytes = 96;
+  std::uint64_t sent = 0;
+  for (int round = 0; round < 3; ++round) {
+    const ConnectionStats before = (*conn)->stats();
+    (*conn)->cork(0);
+    std::vector<std::byte> msg(kBytes);
+    for (std::uint64_t i = 0; i < kMessages; ++i) {
+      transport::testing::fill_pattern(msg, 0, sent + i);
+      ASSERT_TRUE((*conn)->send(0, msg));
+    }
+    sent += kMessages;
+    ASSERT_TRUE((*conn)->flush(0));
+    ASSERT_TRUE(server_in.wait_count(0, sent, 30s)) << server_in.count(0) << " arrived";
+    // The counters move at send completions, which may trail the receiver.
+    const auto deadline = Clock::now() + 10s;
+    while ((*conn)->stats().messages_sent < sent && Clock::now() < deadline) std::this_thread::yield();
+    const ConnectionStats after = (*conn)->stats();
+    ASSERT_EQ(after.messages_sent, sent);
+    const std::uint64_t per_batch = (4096 - wire::kHeaderBytes) / (kBytes + wire::kItemEntryBytes);
+    const std::uint64_t heartbeats = after.heartbeats_sent - before.heartbeats_sent;
+    const std::uint64_t frames = after.frames_sent - before.frames_sent - heartbeats;
+    EXPECT_LE(frames, kMessages / per_batch + 1 + heartbeats)
+        << "round " << round << ": " << frames << " frames for " << kMessages << " messages";
+  }
+  std::lock_guard lock(server_in.mu);
+  for (std::size_t i = 0; i < server_in.intact[0].size(); ++i) EXPECT_TRUE(server_in.intact[0][i]) << i;
 }
 
 // 100 parameter-server pushes (every header field set) in one burst: all
