@@ -52,8 +52,8 @@
 // it runs, or is refused as above; no work is ever queued for a joined
 // thread (it would never run, and what it holds would leak). The same holds
 // for a connect() that began before ~Transport: ~Transport cuts short the
-// waits of its handshake and waits for it to return (tcp and shm at once;
-// rdma's wait for the CM reply runs to connect_timeout); it returns an error
+// waits of its handshake (rdma: its wait for the CM reply) and waits for it
+// to return; it returns an error
 // (kCancelled, or what its peer did meanwhile), or a Connection that
 // ~Transport has closed like the others.
 #pragma once

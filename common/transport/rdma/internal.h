@@ -24,6 +24,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -89,6 +90,16 @@ class Core : public TransportRegistry {
   std::vector<RegisteredRegion> regions;          // written before listen/connect only
   std::atomic<bool> sealed{false};                // a listener or connection exists
   std::atomic<std::uint32_t> next_io{0};
+
+  // Active-side connect attempts waiting on the rdma_cm (CM thread only).
+  // ~RdmaTransport runs cancel_connects() before it waits for the connects
+  // in progress: each waiting attempt, and each one that begins after it,
+  // ends at once with kCancelled, so the destructor does not wait out a CM
+  // reply that may not come before connect_timeout.
+  void cancel_connects();
+  bool connects_cancelled = false;
+  std::uint64_t next_attempt = 0;
+  std::unordered_map<std::uint64_t, std::function<void()>> attempt_cancellers;
 
   // The registered region holding [p, p + n), or nullptr. `hint` is a
   // MemoryLocation::region_id to try first. Any thread.

@@ -81,6 +81,14 @@ std::string device_mismatch(const Core& core, rdma_cm_id* id, const std::string&
 // ---------------------------------------------------------------------------
 // Core.
 
+void Core::cancel_connects() {
+  connects_cancelled = true;
+  // Each finish() erases its own entry: run them from a moved-out list.
+  auto cancellers = std::move(attempt_cancellers);
+  attempt_cancellers.clear();
+  for (auto& [id, cancel] : cancellers) cancel();
+}
+
 Core::~Core() {
   pollers.clear();
   for (ibv_comp_channel* c : comp_channels) {
@@ -306,6 +314,18 @@ class ConnectAttempt : public std::enable_shared_from_this<ConnectAttempt> {
   void begin() {
     if (finished_) return;
     auto self = shared_from_this();
+    if (core_->connects_cancelled) {
+      finish(make_error(ErrorCode::kCancelled, "the transport is shutting down"));
+      return;
+    }
+    if (!cancellable_) {
+      cancellable_ = true;
+      canceller_ = core_->next_attempt++;
+      std::weak_ptr<ConnectAttempt> weak = self;
+      core_->attempt_cancellers.emplace(canceller_, [weak] {
+        if (auto a = weak.lock()) a->finish(make_error(ErrorCode::kCancelled, "the transport is shutting down"));
+      });
+    }
     auto id = core_->cm->create_id([self](const CmEvent& ev) { self->on_event(ev); });
     if (!id) {
       finish(tl::unexpected<Error>(std::move(id).error()));
@@ -489,6 +509,7 @@ class ConnectAttempt : public std::enable_shared_from_this<ConnectAttempt> {
   void finish(Status s) {
     if (finished_) return;
     finished_ = true;
+    if (cancellable_) core_->attempt_cancellers.erase(canceller_);
     if (timer_) timer_->cancel();
     if (!s) drop_id();
     std::lock_guard lock(mu_);
@@ -508,6 +529,8 @@ class ConnectAttempt : public std::enable_shared_from_this<ConnectAttempt> {
   rdma_cm_id* id_ = nullptr;
   int attempt_ = 0;
   bool finished_ = false;
+  bool cancellable_ = false;     // in core_->attempt_cancellers under canceller_
+  std::uint64_t canceller_ = 0;
   std::string last_failure_;
   std::unique_ptr<asio::steady_timer> timer_;
   // Shared with the caller.
@@ -793,6 +816,12 @@ class RdmaTransport final : public Transport {
   ~RdmaTransport() override {
     EMBER_CHECK_MSG(!core_->io->on_io_thread() && !core_->cm->on_thread(),
                     "a Transport must not be destroyed on its I/O or rdma_cm thread");
+    // The connects in progress first: one waiting for the CM ends now with
+    // kCancelled, instead of holding shut_down() up to connect_timeout.
+    run_on_cm(*core_, [this] {
+      core_->cancel_connects();
+      return 0;
+    });
     core_->shut_down();  // waits until every channel finished
     // From here other threads queue nothing more for the poller and CM
     // threads (a close() racing this destructor, a Listener destroyed after
@@ -876,9 +905,9 @@ class RdmaTransport final : public Transport {
 
   // Races ~RdmaTransport safely once begin_connect() ran: from there on only
   // `core` is used (never this object), and ~RdmaTransport waits for the
-  // scope to end before it stops the CM and poller threads. Unlike tcp and
-  // shm, the wait for the CM reply is not cut short (it ends at
-  // connect_timeout at the latest).
+  // scope to end before it stops the CM and poller threads. It first cancels
+  // the connect attempts (Core::cancel_connects): one waiting for the CM
+  // reply ends with kCancelled, as a tcp or shm handshake wait does.
   Result<std::shared_ptr<Connection>> connect(const std::string& address, LocalIdentity self,
                                               Handlers handlers) override {
     const std::shared_ptr<Core> core = core_;

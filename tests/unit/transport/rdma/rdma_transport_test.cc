@@ -605,6 +605,33 @@ TEST_F(RdmaErrors, RejectedConnectionsAreErrorsNotHangs) {
   ASSERT_TRUE(server_in.wait_accepted(1));
 }
 
+// ~Transport while a connect() waits on the rdma_cm (here: resolving an
+// address nobody answers for, retried with backoff until connect_timeout):
+// the connect ends at once with kCancelled. Before, ~Transport waited for it
+// until connect_timeout (60 s here).
+TEST_F(RdmaErrors, DestroyingTheTransportCutsShortAConnectWaitingOnTheCm) {
+  Inbox in;  // outlives the transport
+  Options o = testing::suite_options();
+  o.connect_timeout = 60s;
+  auto t = Transport::create(o);
+  ASSERT_TRUE(t);
+  const std::string unreachable = ip_.substr(0, ip_.rfind('.')) + ".77:7000";
+  std::optional<Result<std::shared_ptr<Connection>>> result;
+  std::thread connecting([&] { result = (*t)->connect(unreachable, {Role::kWorker, 0}, in.handlers()); });
+  // Destroyed only once connect() is inside (counted): from there it may race ~Transport.
+  const auto inside_deadline = Clock::now() + 30s;
+  while ((*t)->connects_in_progress() == 0 && Clock::now() < inside_deadline) std::this_thread::yield();
+  ASSERT_EQ((*t)->connects_in_progress(), 1u);
+  const auto start = Clock::now();
+  t->reset();
+  const auto took = Clock::now() - start;
+  connecting.join();
+  EXPECT_LT(took, 20s) << "~Transport waited for the connect instead of cancelling it";
+  ASSERT_TRUE(result.has_value());
+  ASSERT_FALSE(*result);
+  EXPECT_EQ(result->error().code(), ErrorCode::kCancelled) << result->error().to_string();
+}
+
 TEST_F(RdmaErrors, PeerKilledWhileSendingToUsIsAnErrorNotAHang) {
   auto server = Side::make(true, 1, 32);
   Inbox server_in;
