@@ -547,6 +547,13 @@ TEST(ServerMetrics, EndpointServesPrometheusText) {
         "ember_server_worker_step{rank=\"0\"}"}) {
     EXPECT_NE(text.find(name), std::string::npos) << name << " missing in:\n" << text;
   }
+  // One histogram per request type; the push_pull above is counted as one
+  // (it was counted as a pull, so a job of push_pulls showed no pushes).
+  for (const char* line : {"ember_server_request_latency_us_count{type=\"push_pull\"} 1",
+                           "ember_server_request_latency_us_count{type=\"push\"} 0",
+                           "ember_server_request_latency_us_count{type=\"pull\"} 0"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " missing in:\n" << text;
+  }
   EXPECT_NE(http_get(server.metrics_address(), "/nope").find("404"), std::string::npos);
 }
 
