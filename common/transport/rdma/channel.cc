@@ -1384,15 +1384,19 @@ void Channel::complete_teardown() {
   flush_timer_.reset();
   heartbeat_timer_.reset();
   drain_timer_.reset();
+  const bool counted = cq_ != nullptr;
   if (cq_ != nullptr) {
     ::ibv_destroy_cq(cq_);
     cq_ = nullptr;
-    core_.io_object_removed();
   }
   recv_ring_.release();
   send_ring_.release();
   slots_.clear();
+  // The last channel runs on_closed (or leaves it to a caller still running
+  // a send's completion, counting an I/O object of its own meanwhile) before
+  // this channel stops counting: ~Transport waits for on_closed.
   conn_->channel_finished();
+  if (counted) core_.io_object_removed();
 }
 
 }  // namespace ember::transport::rdma::detail

@@ -391,9 +391,22 @@ class RdmaConnection final : public ConnectionCore {
   // before start(), set-up owns the channels (abort_setup).
   void start_teardown() override;
 
+  // on_closed, once every channel finished; and the drain timer cancelled.
+  void finish_closed();
+
   std::shared_ptr<Core> core_;
   std::vector<std::unique_ptr<Channel>> channels_;
   std::atomic<bool> started_{false};
+
+  // Callers running a send's completion on their own thread (send(Buffer)
+  // of a payload small enough to be copied into a batch: it completes once
+  // copied). transport.h promises no callback after on_closed, so the last
+  // channel to finish leaves on_closed to the last of these callers when any
+  // is still inside; it keeps an I/O object counted until then, so
+  // ~Transport waits for that on_closed too.
+  std::mutex completing_mu_;
+  int callers_completing_ = 0;       // under completing_mu_
+  bool closed_when_callers_done_ = false;  // under completing_mu_
 };
 
 }  // namespace ember::transport::rdma::detail

@@ -12,6 +12,7 @@
 #include <future>
 #include <map>
 #include <random>
+#include <utility>
 
 #include <boost/asio/post.hpp>
 
@@ -207,9 +208,24 @@ Status RdmaConnection::send(std::uint32_t channel, Buffer&& payload, SendComplet
   Buffer owned = std::move(payload);  // released on every error path below
   EMBER_TRY(check_send(channel, owned.size()));
   if (owned.size() <= core_->geometry.max_batched_payload) {
+    // Copied into the batch: `done` runs here, on the caller thread, counted
+    // so that on_closed comes after it (callers_completing_).
+    {
+      std::lock_guard lock(completing_mu_);
+      ++callers_completing_;
+    }
     Status s = send(channel, std::span<const std::byte>(owned.data(), owned.size()), wait);
     owned.reset();
     if (s && done) done(ok_status());
+    bool announce = false;
+    {
+      std::lock_guard lock(completing_mu_);
+      announce = --callers_completing_ == 0 && std::exchange(closed_when_callers_done_, false);
+    }
+    if (announce) {
+      finish_closed();
+      core_->io_object_removed();  // after on_closed, as channel_finished() counted it
+    }
     return s;
   }
   EMBER_TRY(flow().acquire(owned.size(), wait, !core_->io->on_io_thread()));
@@ -267,6 +283,19 @@ void RdmaConnection::request_disconnect(std::uint32_t ch) {
 
 void RdmaConnection::channel_finished() {
   if (!part_finished(channels_.size())) return;
+  {
+    std::lock_guard lock(completing_mu_);
+    if (callers_completing_ > 0) {
+      // The last caller out announces; until then ~Transport waits.
+      closed_when_callers_done_ = true;
+      core_->io_object_added();
+      return;
+    }
+  }
+  finish_closed();
+}
+
+void RdmaConnection::finish_closed() {
   cancel_drain_timer(core_->pollers[channels_[0]->io_index()]->context());
   announce_closed();
 }

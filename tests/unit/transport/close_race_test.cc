@@ -27,6 +27,7 @@
 #include "common/transport/shm/uds.h"
 #include "common/transport/stream_io.h"
 #include "common/transport/transport.h"
+#include "tests/unit/transport/close_race_util.h"
 #include "tests/unit/transport/transport_test_util.h"
 
 namespace ember::transport {
@@ -34,91 +35,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::Inbox;
-
-// What the sending side saw: completions (each id at most once), whether
-// on_closed had run when each one came, and the close itself.
-struct SenderSide {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<int> runs;         // per send id: how many times its completion ran
-  int accepted = 0;              // sends that returned ok
-  int completed = 0;             // completions that ran
-  int completed_after_close = 0; // ... after on_closed had run
-  int closed_calls = 0;
-  std::vector<std::string> refused;  // errors of refused sends
-
-  Handlers handlers() {
-    Handlers h;
-    h.on_message = [](Connection&, Incoming&&) {};
-    h.on_closed = [this](Connection&, const Error&) {
-      std::lock_guard lock(mu);
-      ++closed_calls;
-      cv.notify_all();
-    };
-    return h;
-  }
-  // A new send id and its completion.
-  std::pair<std::size_t, SendCompletion> next() {
-    std::lock_guard lock(mu);
-    const std::size_t id = runs.size();
-    runs.push_back(0);
-    return {id, [this, id](const Status&) {
-              std::lock_guard done_lock(mu);
-              ++runs[id];
-
-              ++completed;
-              if (closed_calls > 0) ++completed_after_close;
-              cv.notify_all();
-            }};
-  }
-  // Why send() refused (the senders stop there); for failure messages.
-  void note_refusal(const Error& e) {
-    std::lock_guard lock(mu);
-    refused.push_back(e.to_string());
-  }
-  std::string refusals() {
-    std::lock_guard lock(mu);
-    std::string all = "send() refused " + std::to_string(refused.size()) + " time(s)";
-    for (const auto& r : refused) all += "; " + r;
-    return all;
-  }
-  void count_accepted() {
-    std::lock_guard lock(mu);
-    ++accepted;
-    cv.notify_all();
-  }
-  bool wait_in_flight_below(int n, std::chrono::milliseconds timeout = 20s) {
-    std::unique_lock lock(mu);
-    return cv.wait_for(lock, timeout, [&] { return accepted - completed < n || closed_calls > 0; });
-  }
-  bool wait_accepted(int n, std::chrono::milliseconds timeout = 20s) {
-    std::unique_lock lock(mu);
-    return cv.wait_for(lock, timeout, [&] { return accepted >= n; });
-  }
-  // Destroys the sending side's Transport (`client_tx`) while senders run,
-  // then `join_senders()`, and checks transport.h's promises: on_closed ran
-  // during ~Transport, every accepted send completed once, before on_closed,
-  // and none after ~Transport returned.
-  template <class Link, class Join>
-  void check_close_during_transport_destruction(Link& link, Join&& join_senders) {
-    link.client_tx.reset();
-    int completed_at_return;
-    {
-      std::lock_guard lock(mu);
-      completed_at_return = completed;
-      EXPECT_EQ(closed_calls, 1) << "on_closed must have run during ~Transport";
-    }
-    join_senders();
-    std::lock_guard lock(mu);
-    EXPECT_EQ(completed_after_close, 0)
-        << "send completions ran after on_closed (of " << completed << ")";
-    EXPECT_EQ(completed, completed_at_return) << "completions ran after ~Transport returned";
-    EXPECT_EQ(completed, accepted) << "every accepted send completes";
-    for (std::size_t id = 0; id < runs.size(); ++id) {
-      EXPECT_LE(runs[id], 1) << "send " << id << " completed twice";
-    }
-  }
-};
+using testing::SenderSide;
 
 // A Transport pair of Options::kind and one Connection from `side`'s
 // transport to the other's listener (tcp on 127.0.0.1, shm on an abstract
@@ -225,6 +142,7 @@ TEST_P(SmallSendCloseRace, SmallSendCompletionsComeBeforeOnClosed) {
     // Rounds 0, 1 of every 4: far below a batch; 2, 3: over a ring slot.
     const std::size_t kPayloadBytes = round % 4 < 2 ? 64 : std::size_t{64} << 10;
     SenderSide client;
+    client.linger_yields = 20;
     Options o = tcp_options();
     o.kind = GetParam();
     o.batching = round % 2 == 0;  // tcp off: every send() writes inline; on: copies into the batch

@@ -28,6 +28,7 @@
 #include "common/transport/rdma/rdma_transport.h"
 #include "common/transport/transport.h"
 #include "common/wire/wire_format.h"
+#include "tests/unit/transport/close_race_util.h"
 #include "tests/unit/transport/rdma/rdma_test_util.h"
 #include "tests/unit/transport/transport_test_util.h"
 
@@ -516,6 +517,54 @@ TEST_P(RdmaSuite, StalledReceiverPushesBackAndLosesNothing) {
   ASSERT_TRUE((*conn)->flush(0));
   ASSERT_TRUE(server_in.wait_count(0, accepted, 60s)) << server_in.count(0) << " of " << accepted;
   EXPECT_FALSE(server_in.closed_reason().has_value());
+}
+
+// Small send(Buffer)s complete on the caller's thread once copied into a
+// batch. ~Transport racing them must still run each completion once, all
+// before on_closed and none after ~Transport returned (close_race_test.cc
+// checks the same over tcp and shm). Regression: a sender that had just
+// copied its payload ran the completion after on_closed.
+TEST_P(RdmaSuite, SmallSendCompletionsComeBeforeOnClosed) {
+  constexpr int kRounds = 20;
+  constexpr int kSenders = 3;
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    transport::testing::SenderSide client;
+    client.linger_yields = 50;
+    Inbox server_in;  // outlives the server's transport (its on_closed)
+    server_in.check_pattern_bytes = false;
+    auto server = Side::make(GetParam().pool_receive, 1, 16);
+    auto client_side = Side::make(GetParam().pool_receive, 1, 16);  // its pool outlives link
+    struct {
+      std::unique_ptr<Transport> client_tx;  // what SenderSide destroys
+    } link;
+    link.client_tx = std::move(client_side->transport);
+    auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
+                                              server_in.handlers());
+    ASSERT_TRUE(listener);
+    auto conn = link.client_tx->connect((*listener)->address(), {Role::kWorker, 0}, client.handlers());
+    ASSERT_TRUE(conn) << conn.error().to_string();
+    std::shared_ptr<Connection> c = *conn;
+    std::vector<std::thread> senders;
+    for (int t = 0; t < kSenders; ++t) {
+      senders.emplace_back([&] {
+        for (;;) {
+          auto [id, done] = client.next();
+          Status s = c->send(0, Buffer::heap(64), std::move(done), 5s);
+          if (!s) {  // kClosed: the transport is going
+            client.note_refusal(s.error());
+            break;
+          }
+          client.count_accepted();
+        }
+      });
+    }
+    EXPECT_TRUE(client.wait_accepted(50 + 10 * round)) << client.refusals();
+    client.check_close_during_transport_destruction(link, [&] {
+      for (auto& t : senders) t.join();
+    });
+    if (::testing::Test::HasFailure()) break;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, RdmaSuite,
