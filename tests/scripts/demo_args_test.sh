@@ -23,5 +23,14 @@ expect_refused "--workers must be a number >= 1 (got '0')" --workers 0
 expect_refused "--transport must be tcp or shm (got 'udp')" --transport udp
 expect_refused "--mode must be bsp, asp or ssp" --mode sync
 expect_refused "unknown argument '--gpus'" --gpus 2
+# 0 matches the number pattern; the servers would refuse it only after the build.
+expect_refused "--lr must be a positive number (got '0')" --lr 0
+expect_refused "--lr must be a positive number (got '0.0e5')" --lr 0.0e5
+expect_refused "--lr must be a positive number (got '-0.1')" --lr -0.1
+expect_refused "--seed must be a non-negative integer (got '-3')" --seed -3
+expect_refused "--batch-size must be a number >= 1 (got '0')" --batch-size 0
+expect_refused "(got --workers 2 x --batch-size 40000)" --workers 2 --batch-size 40000
+# A product that overflows bash's 64-bit arithmetic is refused too.
+expect_refused "(got --workers 2 x --batch-size 9223372036854775807)" --batch-size 9223372036854775807
 "$demo" --help | grep -q -- "--transport" || fail "--help does not list the options"
 echo "demo_args: OK"
