@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # scripts/bench.sh NAME [args...]: builds the release preset if needed and
-# runs benchmark NAME (ring, pool, wire, transport, pushpull, train, gpu).
+# runs benchmark NAME (ring, pool, wire, transport, pushpull, train, gpu, rdma).
 # A benchmark with a driver script (bench/NAME/run.sh) runs through it;
 # otherwise the binary build/release/bench/NAME/ember-bench-NAME runs.
 # The last line of output is `SUMMARY key=value ...`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The benchmarks: bench/'s directories with a CMakeLists.txt (what
+# bench/CMakeLists.txt adds), not its README.md or other files.
+names() {
+  local d found=()
+  for d in bench/*/; do [[ -f $d/CMakeLists.txt ]] && found+=("$(basename "$d")"); done
+  echo "${found[*]}"
+}
 usage() {
-  echo "usage: scripts/bench.sh NAME [args...]; NAME is one of: $(ls bench | grep -v CMakeLists | tr '\n' ' ')"
+  echo "usage: scripts/bench.sh NAME [args...]; NAME is one of: $(names)"
   echo "  scripts/bench.sh NAME --help: the benchmark's own options"
 }
 if (($# < 1)); then usage >&2; exit 2; fi
 if [[ $1 == -h || $1 == --help ]]; then sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; usage; exit 0; fi
 name="$1"; shift
-if [[ ! -d bench/$name ]]; then
-  echo "bench.sh: no benchmark '$name'; have: $(ls bench | grep -v CMakeLists | tr '\n' ' ')" >&2
+if [[ ! $name =~ ^[A-Za-z0-9_-]+$ || ! -f bench/$name/CMakeLists.txt ]]; then
+  echo "bench.sh: no benchmark '$name'; have: $(names)" >&2
   exit 2
 fi
 [[ ${EMBER_SKIP_DEPS:-0} == 1 ]] || scripts/install-deps.sh >/dev/null
