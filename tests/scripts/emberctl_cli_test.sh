@@ -53,6 +53,12 @@ addr=${line#emberctl probe-sink listening on }
 out=$("$ctl" tune --probe "$addr" --pings 20 --probe-duration 100ms --workers 2 --avg-message-size 4KB) \
   || fail "tune --probe failed"
 [[ $out == *"measured: RTT "*"bandwidth "* && $out == *"recommended:"* ]] || fail "tune --probe: $out"
+# The bulk transfer is sized from a warm-up's rate: the plan says so, and the
+# measured line gives the time the transfer really took.
+[[ $out == *"then a bulk transfer sized to take about "*" (--probe-duration) at a warm-up's rate"* ]] \
+  || fail "tune --probe: the planned transfer is not labelled as a plan: $out"
+[[ $out =~ bandwidth\ [^\(]*\([^\)]*\)\ \([^\)]*\ sent\ in\ [0-9.]+\ (us|ms|s)\) ]] \
+  || fail "tune --probe: no measured transfer time: $out"
 wait "$sink_pid" || fail "probe-sink exited non-zero after its one client"
 sink_pid=""
 exec 3<&-
@@ -81,4 +87,11 @@ set +e
 set -e
 [[ $rc != 0 ]] || fail "emberctl without a subcommand exited 0"
 [[ $rc2 == 2 ]] && grep -q -- "--config FILE" "$tmp/err" || fail "status without targets: rc=$rc2"
+# config without its subcommand names it.
+set +e
+"$ctl" config >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+[[ $rc == 2 ]] || fail "config without a subcommand: rc=$rc, expected 2"
+grep -q "config needs a subcommand" "$tmp/err" && grep -q "emberctl config check: validate a TOML config" "$tmp/err" \
+  || fail "config without a subcommand does not name 'check': $(cat "$tmp/err")"
 echo "emberctl_cli_test: ok"

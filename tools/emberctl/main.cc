@@ -233,15 +233,19 @@ int cmd_tune(const TuneArgs& a) {
     }
     auto d = parse_duration(a.probe_duration);
     if (!d) return usage_error(d.error().message());
-    std::printf("probing %s: %u pings, then about %s of bulk transfer...\n", a.probe.c_str(), a.pings,
-                format_duration(*d).c_str());
+    // run_probe sizes the bulk transfer from a warm-up's rate, so it takes
+    // about --probe-duration only when the link's rate holds; the measured
+    // line below gives the time it really took.
+    std::printf("probing %s: %u pings, then a bulk transfer sized to take about %s (--probe-duration) "
+                "at a warm-up's rate...\n",
+                a.probe.c_str(), a.pings, format_duration(*d).c_str());
     std::fflush(stdout);
     auto p = run_probe(a.probe, a.pings, *d, *timeout);
     if (!p) {
       std::fprintf(stderr, "emberctl tune: %s\n", p.error().to_string().c_str());
       return kExitFailed;
     }
-    std::printf("measured: RTT %s (median of %u, min %s), bandwidth %s (%s in %s)\n",
+    std::printf("measured: RTT %s (median of %u, min %s), bandwidth %s (%s sent in %s)\n",
                 format_duration(p->rtt).c_str(), p->pings, format_duration(p->rtt_min).c_str(),
                 format_bandwidth(p->bandwidth_bytes_per_s).c_str(), human_bytes(static_cast<double>(p->bulk_bytes)).c_str(),
                 format_duration(p->bulk_time).c_str());
@@ -358,8 +362,9 @@ int run(int argc, char** argv) {
   auto* checkpoint = app.add_subcommand("checkpoint", "ask every server to write a checkpoint now");
   add_target_options(checkpoint);
 
+  // Not require_subcommand(1): CLI11's message for it ("A subcommand is
+  // required") names none; the check after parsing lists them.
   auto* config_cmd = app.add_subcommand("config", "configuration files");
-  config_cmd->require_subcommand(1);
   auto* check = config_cmd->add_subcommand("check", "validate a TOML config (exit 0 when valid)");
   std::string check_file;
   std::vector<std::string> overrides;
@@ -405,6 +410,13 @@ int run(int argc, char** argv) {
     if (*status) return cmd_status(config_path, metrics, *timeout);
     if (*stats) return cmd_stats(config_path, metrics, *timeout, interval, raw);
     return cmd_checkpoint(config_path, metrics, *timeout);
+  }
+  if (*config_cmd && config_cmd->get_subcommands().empty()) {
+    std::string names;
+    for (const CLI::App* sub : config_cmd->get_subcommands([](const CLI::App*) { return true; })) {
+      names += fmt::format("\n  emberctl config {}: {}", sub->get_name(), sub->get_description());
+    }
+    return usage_error("config needs a subcommand:" + names);
   }
   if (*check) return cmd_config_check(check_file, overrides);
   if (*tune_cmd) return cmd_tune(ta);
