@@ -78,8 +78,11 @@ def _load():
                 break  # an explicit choice that fails is not silently replaced
     raise ImportError(
         "ember: cannot load libember.so. Tried:\n  " + "\n  ".join(tried) +
-        "\nBuild it (cmake --preset dev && cmake --build build/dev --target ember_capi) "
-        "or set EMBER_LIB to the path of libember.so.%d." % ABI_VERSION)
+        "\nBuild it in this checkout with the preset you use (found there as "
+        "build/<preset>/capi/%s):\n"
+        "  cmake --preset release && cmake --build build/release --target ember_capi\n"
+        "  cmake --preset dev && cmake --build build/dev --target ember_capi\n"
+        "or set EMBER_LIB to the path of %s." % (_SONAME, _SONAME))
 
 
 lib = _load()

@@ -16,7 +16,10 @@ Data: the gzipped IDX files of the Debian package dataset-fashion-mnist
 (/usr/share/datasets/fashion-mnist), read with the gzip module.
 
     ember-server --config job.toml &
-    for r in 0 1; do python3 python/examples/train_fmnist.py --config job.toml --rank $r & done
+    for r in 0 1; do /usr/bin/python3 python/examples/train_fmnist.py --config job.toml --rank $r & done
+
+It needs numpy (Debian python3-numpy, hence /usr/bin/python3) and libember.so
+(the ember_capi target; ember._native says where the package looks for it).
 
 Per epoch each worker prints: training loss, test accuracy (10,000 images),
 samples per second, and the communication share (time blocked on Ember /
@@ -32,9 +35,6 @@ import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ember  # noqa: E402
 
 DATA_DIR = "/usr/share/datasets/fashion-mnist"
 FILES = {
@@ -167,6 +167,17 @@ class Model:
         return loss, blocked
 
 
+def import_ember():
+    """The ember package of this checkout. Imported once the arguments are
+    parsed, so that --help works before libember.so is built."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        import ember
+    except ImportError as e:
+        raise SystemExit("train_fmnist: %s" % e)
+    return ember
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="the job's TOML config (same as the servers')")
@@ -182,6 +193,7 @@ def main(argv=None):
     ap.add_argument("--data-dir", default=DATA_DIR)
     args = ap.parse_args(argv)
 
+    ember = import_ember()
     x_train, y_train, x_test, y_test = load(args.data_dir)
     try:
         worker = ember.Worker(args.config, rank=args.rank)

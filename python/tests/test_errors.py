@@ -189,6 +189,9 @@ def test_library_not_found_is_a_clear_import_error(tmp_path):
     assert "cannot load libember.so" in out.stderr
     assert str(tmp_path / "libember.so.0") in out.stderr
     assert "EMBER_LIB" in out.stderr
+    # How to build it, for either preset the package looks in.
+    assert "cmake --build build/release --target ember_capi" in out.stderr
+    assert "cmake --build build/dev --target ember_capi" in out.stderr
 
 
 class _ServerAt(conftest.ServerProcess):

@@ -1,6 +1,7 @@
 """python/examples/train_fmnist.py: a short run (two worker processes, a few
 dozen steps each) on the real Fashion-MNIST data through a real ember-server;
-the loss must fall and the test accuracy rise above chance."""
+the loss must fall and the test accuracy rise above chance; --help and a
+missing libember.so before it is built."""
 
 import os
 import re
@@ -51,3 +52,21 @@ def test_missing_data_is_a_clear_error(tmp_path):
     assert out.returncode != 0
     assert "dataset-fashion-mnist" in out.stderr
     assert str(tmp_path) in out.stderr
+
+
+def test_help_works_without_the_library(tmp_path):
+    env = dict(os.environ, EMBER_LIB=str(tmp_path / "libember.so.0"))
+    out = subprocess.run([sys.executable, EXAMPLE, "--help"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--config" in out.stdout
+
+
+def test_missing_library_is_a_clear_error(tmp_path):
+    env = dict(os.environ, EMBER_LIB=str(tmp_path / "libember.so.0"))
+    out = subprocess.run([sys.executable, EXAMPLE, "--config", "unused.toml"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "train_fmnist: ember: cannot load libember.so" in out.stderr
+    assert "cmake --build build/release --target ember_capi" in out.stderr
+    assert "Traceback" not in out.stderr
