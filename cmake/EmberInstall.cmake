@@ -47,7 +47,7 @@ install(CODE [[
   endforeach()
   file(READ "${ember_unit_src}" unit)
   string(REPLACE "/usr/local/bin/ember-server" "${ember_bindir}/ember-server" unit "${unit}")
-  string(REPLACE "/usr/local/lib/ember/reserve-hugepages.sh"
+  string(REPLACE "/usr/local/libexec/ember/reserve-hugepages.sh"
                  "${ember_libexecdir}/ember/reserve-hugepages.sh" unit "${unit}")
   string(REPLACE "/usr/local/share/doc/ember" "${ember_docdir}" unit "${unit}")
   file(WRITE "${ember_unit_tmp}" "${unit}")

@@ -21,10 +21,10 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 command -v systemd-analyze >/dev/null || fail "systemd-analyze is missing (apt-get install systemd)"
 unit="$root/deploy/systemd/ember-server.service"
 grep -q '^ExecStart=/usr/local/bin/ember-server ' "$unit" || fail "ExecStart is not /usr/local/bin/ember-server"
-grep -q '^ExecStartPre=+/usr/local/lib/ember/reserve-hugepages.sh' "$unit" || fail "ExecStartPre changed"
+grep -q '^ExecStartPre=+/usr/local/libexec/ember/reserve-hugepages.sh' "$unit" || fail "ExecStartPre changed"
 
 mkdir "$tmp/neg"
-sed -e "s|/usr/local/lib/ember/reserve-hugepages.sh|$root/deploy/systemd/reserve-hugepages.sh|" \
+sed -e "s|/usr/local/libexec/ember/reserve-hugepages.sh|$root/deploy/systemd/reserve-hugepages.sh|" \
   "$unit" >"$tmp/neg/ember-server.service"
 if systemd-analyze verify "$tmp/neg/ember-server.service" >"$tmp/neg.out" 2>&1; then
   fail "negative control: verify accepted a unit whose binary does not exist"
@@ -33,7 +33,7 @@ grep -q "is not executable" "$tmp/neg.out" || fail "negative control: $(cat "$tm
 
 mkdir "$tmp/unit"
 sed -e "s|/usr/local/bin/ember-server|$server|" \
-    -e "s|/usr/local/lib/ember/reserve-hugepages.sh|$root/deploy/systemd/reserve-hugepages.sh|" \
+    -e "s|/usr/local/libexec/ember/reserve-hugepages.sh|$root/deploy/systemd/reserve-hugepages.sh|" \
   "$unit" >"$tmp/unit/ember-server.service"
 systemd-analyze verify "$tmp/unit/ember-server.service" >"$tmp/verify.out" 2>&1 \
   || fail "systemd-analyze verify: $(cat "$tmp/verify.out")"
