@@ -73,6 +73,13 @@ constexpr std::uint32_t kLoggedErrorsPerConnection = 8;
 // received them (dispatch): at 64 KiB an optimizer update takes a few
 // microseconds, about what the hand-off to a shard thread costs.
 constexpr std::size_t kInlineMaxBytes = std::size_t{64} << 10;
+// A request with at least this many more of its batch behind it goes to its
+// shard thread even when the shard is idle: the batch is enough work to run
+// on the shard threads in parallel, while the I/O thread decodes the rest.
+// bench/pushpull, 10,000 keys of 64 bytes over shm (batches of ~35): a
+// pipelined step took 61-63 ms with every request handled inline, 47-56 ms
+// with none; a lone request (serial round trip) stays inline.
+constexpr std::uint32_t kInlineMaxFollowing = 8;
 // Ranks with their own step gauge.
 constexpr std::uint32_t kMaxRankGauges = 256;
 
@@ -236,9 +243,11 @@ struct Server::Impl final : ReplySink {
   void on_message(transport::Connection& conn, transport::Incoming&& msg);
   void on_closed(transport::Connection& conn, const Error& reason);
   void close_bad(ConnState& c, const Error& why);
+  // `more_in_batch`: the received message's Incoming::more_in_batch.
   void dispatch(ConnState& c, std::uint32_t channel, const proto::Header& h,
                 const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload,
-                const std::optional<proto::ReplyPlacement>& placement = std::nullopt);
+                const std::optional<proto::ReplyPlacement>& placement = std::nullopt,
+                std::uint32_t more_in_batch = 0);
   void handle_join(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
   void handle_set_lr(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
   void handle_checkpoint(ConnState& c, std::uint32_t channel, const proto::Header& h);
@@ -906,7 +915,8 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
 
 void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::Header& h,
                             const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload,
-                            const std::optional<proto::ReplyPlacement>& placement) {
+                            const std::optional<proto::ReplyPlacement>& placement,
+                            std::uint32_t more_in_batch) {
   ShardItem item;
   item.kind = ShardItem::Kind::kRequest;
   item.request.to = ReplyTo{c.id, channel};
@@ -927,7 +937,8 @@ void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::He
   const std::uint32_t s = h.type == proto::MsgType::kBarrier
                               ? 0
                               : shard_of(h.key, h.chunk_index, static_cast<std::uint32_t>(shards.size()));
-  // A push, pull or push_pull of a chunk of at most kInlineMaxBytes is
+  // A push, pull or push_pull of a chunk of at most kInlineMaxBytes, and with
+  // fewer than kInlineMaxFollowing requests of its batch behind it, is
   // handled right here when the shard is idle (Shard::try_handle_inline):
   // handing it over cost a ring hop and the shard thread's wake-up, most of a
   // 4 KiB round trip. Its reply is as small (the chunk's elements, from the
@@ -943,7 +954,8 @@ void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::He
                           proto::prefix_bytes(h) + h.num_elements * sizeof(float) <= small_message_limit;
   const bool data = h.type == proto::MsgType::kPush || h.type == proto::MsgType::kPull ||
                     h.type == proto::MsgType::kPushPull;
-  if (inline_small && small && reply_fits && data && recorder == nullptr) {
+  if (inline_small && small && reply_fits && data && more_in_batch < kInlineMaxFollowing &&
+      recorder == nullptr) {
     t_inline_shard = s;
     const bool handled = shards[s]->try_handle_inline(item);
     t_inline_shard.reset();
@@ -1056,7 +1068,7 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
     }
     Payload p = msg.is_large() ? Payload::adopt(std::move(msg.owned), 0, h.num_elements)
                                : Payload::copy_of(msg.bytes);
-    dispatch(*c, msg.channel, h, pending.dims, std::move(p), pending.placement);
+    dispatch(*c, msg.channel, h, pending.dims, std::move(p), pending.placement, msg.more_in_batch);
     return;
   }
   auto decoded = proto::decode(msg.bytes);
@@ -1128,7 +1140,7 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
         p = msg.is_large() ? Payload::adopt(std::move(msg.owned), offset, h.num_elements)
                            : Payload::copy_of(m.payload);
       }
-      dispatch(*c, msg.channel, h, m.dims, std::move(p), m.placement);
+      dispatch(*c, msg.channel, h, m.dims, std::move(p), m.placement, msg.more_in_batch);
       return;
     }
   }

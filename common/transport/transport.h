@@ -198,6 +198,12 @@ struct Incoming {
   // thread.
   Buffer owned;
   bool is_large() const noexcept { return !owned.empty(); }
+  // How many more messages of the same received batch follow this one on
+  // this channel (they are delivered next); 0 for a batch's last message and
+  // for a large one. A hint for a receiver that chooses between answering at
+  // once and handing work to other threads (ember-server's inline path).
+  // Control items (tcp heartbeats) may be counted.
+  std::uint32_t more_in_batch = 0;
 };
 
 // Called once per large send, after the transport is done with the Buffer

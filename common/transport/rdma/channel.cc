@@ -1006,6 +1006,7 @@ bool Channel::on_batch(std::span<const std::byte> body) {
     conn_->fail(std::move(e));
     return false;
   }
+  auto left = static_cast<std::uint32_t>(frame->size());
   for (const wire::Item item : *frame) {
     if (conn_->failing()) return false;
     if (item.flags != 0) {
@@ -1014,6 +1015,7 @@ bool Channel::on_batch(std::span<const std::byte> body) {
     Incoming msg;
     msg.channel = index_;
     msg.bytes = item.payload;
+    msg.more_in_batch = --left;
     conn_->deliver(std::move(msg));
   }
   return true;

@@ -1723,12 +1723,14 @@ bool Channel::poll_rx() {
           return false;
         }
         conn_->frames_received.fetch_add(1, std::memory_order_relaxed);
+        auto left = static_cast<std::uint32_t>(frame->size());
         for (const wire::Item item : *frame) {
           if (conn_->failing()) return false;
           if (item.flags != 0) return fail_protocol(fmt::format("item flags {:#x}", item.flags));
           Incoming m;
           m.channel = index_;
           m.bytes = item.payload;
+          m.more_in_batch = --left;
           conn_->deliver(std::move(m));
         }
         break;

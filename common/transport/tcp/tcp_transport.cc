@@ -956,7 +956,9 @@ bool Channel::process_frames() {
     Buffer body;
     if (!frame.external_body().empty()) body = bodies_.take(frame.external_body());
     const bool single = frame.info().kind == wire::FrameKind::kSingle;
+    auto left = static_cast<std::uint32_t>(frame.size());
     for (const wire::Item item : frame) {
+      --left;
       if (conn_->failing()) return false;
       if (item.flags == kItemFlagControl) {
         auto type = parse_control(item.payload);
@@ -988,6 +990,7 @@ bool Channel::process_frames() {
       }
       Incoming msg;
       msg.channel = index_;
+      msg.more_in_batch = left;
       if (single && body) {
         body.truncate(item.payload.size());
         msg.owned = std::move(body);

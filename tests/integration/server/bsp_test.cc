@@ -154,6 +154,45 @@ TEST_P(ServerOverTransport, SmallRequestsAreHandledInlineOnlyOverShm) {
   }
 }
 
+// A batch of many small requests goes to the shard threads even when they
+// are idle: only the last kInlineMaxFollowing (8) of each batch may be
+// handled on the I/O thread (server.cc). A pipelined burst of 64 tiny
+// push_pulls leaves in batches of over 20 (Connection::cork), so at most
+// 8 x 4 of them are inline; before, an idle server took nearly all inline.
+TEST(ServerOverShm, ABatchOfManySmallRequestsGoesToTheShardThreads) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.transport = "shm";
+  spec.num_workers = 1;
+  spec.learning_rate = 0.5;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto workers = make_workers(spec, {server.address()});
+  ASSERT_TRUE(workers[0]);
+  Worker& w = *workers[0];
+  constexpr int kKeys = 64;
+  constexpr std::uint64_t kElems = 16;
+  const std::uint64_t shape[] = {kElems};
+  std::vector<float> init(kElems, 1.0f), grad(kElems, 2.0f);
+  std::vector<std::vector<float>> out(kKeys, std::vector<float>(kElems));
+  for (int k = 0; k < kKeys; ++k) ASSERT_TRUE(w.init(100 + k, shape, init).wait());
+  const long before =
+      metric_value(http_get(server.metrics_address(), "/metrics"), "ember_server_requests_inline_total");
+  ASSERT_GE(before, 0);
+  {
+    auto pipe = w.pipeline();
+    for (int k = 0; k < kKeys; ++k) pipe.enqueue_push_pull(100 + k, grad, out[k]);
+    auto s = pipe.wait();
+    ASSERT_TRUE(s) << s.error().to_string();
+  }
+  for (int k = 0; k < kKeys; ++k) {
+    for (std::uint64_t i = 0; i < kElems; ++i) ASSERT_EQ(out[k][i], 0.0f) << k << " " << i;  // 1 - 0.5 * 2
+  }
+  const std::string text = http_get(server.metrics_address(), "/metrics");
+  const long inline_burst = metric_value(text, "ember_server_requests_inline_total") - before;
+  EXPECT_LE(inline_burst, 32) << text;
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, ServerOverTransport, ::testing::Values("tcp", "shm"),
                          [](const ::testing::TestParamInfo<const char*>& param_info) {
                            return std::string(param_info.param);

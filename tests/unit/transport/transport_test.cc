@@ -192,6 +192,13 @@ TEST_P(TransportTest, ManySmallMessagesKeepOrderFromConcurrentSenders) {
 // so the frame count below is deterministic.
 TEST_P(TransportTest, ACorkedBurstOfSmallMessagesLeavesInFullBatches) {
   Inbox server_in, client_in;
+  // Incoming::more_in_batch: counts down within a batch, 0 on its last message.
+  std::mutex hint_mu;
+  std::vector<std::uint32_t> more;  // per message received on channel 0
+  server_in.also = [&](Connection&, Incoming& m) {
+    std::lock_guard lock(hint_mu);
+    more.push_back(m.more_in_batch);
+  };
   const Mode mode = GetParam();
   auto server_tx = Transport::create(options_for(mode));
   ASSERT_TRUE(server_tx);
@@ -228,6 +235,18 @@ TEST_P(TransportTest, ACorkedBurstOfSmallMessagesLeavesInFullBatches) {
   std::lock_guard lock(server_in.mu);
   ASSERT_EQ(server_in.sizes[0].size(), 3 * kMessages);
   for (std::size_t i = 0; i < server_in.intact[0].size(); ++i) EXPECT_TRUE(server_in.intact[0][i]) << i;
+  std::lock_guard hints(hint_mu);
+  ASSERT_EQ(more.size(), 3 * kMessages);
+  EXPECT_EQ(more.back(), 0u);
+  std::size_t batch_ends = 0;
+  for (std::size_t i = 0; i < more.size(); ++i) {
+    if (more[i] == 0) ++batch_ends;
+    // Within a batch it falls (by more than 1 past a tcp heartbeat item).
+    if (i > 0 && more[i - 1] != 0) {
+      EXPECT_LT(more[i], more[i - 1]) << "message " << i;
+    }
+  }
+  EXPECT_LT(batch_ends * 10, more.size()) << "full batches: few last messages";
 }
 
 // Several senders per channel, one for each way a message can go (small:
