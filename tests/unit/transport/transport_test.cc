@@ -16,7 +16,6 @@
 #include "common/memory/page_pool.h"
 #include "common/transport/pool_buffer.h"
 #include "common/transport/transport.h"
-#include "common/wire/wire_format.h"
 #include "tests/unit/transport/transport_test_util.h"
 
 namespace ember::transport {
@@ -224,13 +223,7 @@ TEST_P(TransportTest, ACorkedBurstOfSmallMessagesLeavesInFullBatches) {
     ASSERT_TRUE(server_in.wait_count(0, (round + 1) * kMessages));
     const ConnectionStats after = (*conn)->stats();
     EXPECT_EQ(after.messages_sent - before.messages_sent, kMessages);
-    // A full batch holds (4096 - header) / (96 + item entry) messages: at
-    // least 30. Allow one early close per heartbeat and the flush's batch.
-    const std::uint64_t per_batch = (4096 - wire::kHeaderBytes) / (kBytes + wire::kItemEntryBytes);
-    const std::uint64_t heartbeats = after.heartbeats_sent - before.heartbeats_sent;
-    const std::uint64_t frames = after.frames_sent - before.frames_sent - heartbeats;
-    EXPECT_LE(frames, kMessages / per_batch + 1 + heartbeats)
-        << "round " << round << ": " << frames << " frames for " << kMessages << " messages";
+    testing::expect_full_batches(before, after, kMessages, kBytes, round);
   }
   std::lock_guard lock(server_in.mu);
   ASSERT_EQ(server_in.sizes[0].size(), 3 * kMessages);

@@ -5,6 +5,8 @@
 // deadline (never a sleep).
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -23,10 +25,24 @@
 
 #include "common/base/check.h"
 #include "common/transport/transport.h"
+#include "common/wire/wire_format.h"
 
 namespace ember::transport::testing {
 
 using namespace std::chrono_literals;
+
+// The sender's stats before and after a corked burst of `messages` small
+// messages of `bytes` each (ACorkedBurstOfSmallMessagesLeavesInFullBatches,
+// tcp/shm and rdma): the burst must have left in full 4 KiB batches. One
+// early close is allowed per heartbeat sent meanwhile, plus the flush's.
+inline void expect_full_batches(const ConnectionStats& before, const ConnectionStats& after,
+                                std::uint64_t messages, std::size_t bytes, int round) {
+  const std::uint64_t per_batch = (4096 - wire::kHeaderBytes) / (bytes + wire::kItemEntryBytes);
+  const std::uint64_t heartbeats = after.heartbeats_sent - before.heartbeats_sent;
+  const std::uint64_t frames = after.frames_sent - before.frames_sent - heartbeats;
+  EXPECT_LE(frames, messages / per_batch + 1 + heartbeats)
+      << "round " << round << ": " << frames << " frames for " << messages << " messages";
+}
 
 // Message `index` on `channel` is a sequence of 64-bit words (word k =
 // seed * golden + k, little-endian), truncated to its size: cheap to generate

@@ -27,7 +27,6 @@
 #include "common/transport/pool_buffer.h"
 #include "common/transport/rdma/rdma_transport.h"
 #include "common/transport/transport.h"
-#include "common/wire/wire_format.h"
 #include "tests/unit/transport/close_race_util.h"
 #include "tests/unit/transport/rdma/rdma_test_util.h"
 #include "tests/unit/transport/transport_test_util.h"
@@ -275,11 +274,7 @@ TEST_P(RdmaSuite, ACorkedBurstOfSmallMessagesLeavesInFullBatches) {
     while ((*conn)->stats().messages_sent < sent && Clock::now() < deadline) std::this_thread::yield();
     const ConnectionStats after = (*conn)->stats();
     ASSERT_EQ(after.messages_sent, sent);
-    const std::uint64_t per_batch = (4096 - wire::kHeaderBytes) / (kBytes + wire::kItemEntryBytes);
-    const std::uint64_t heartbeats = after.heartbeats_sent - before.heartbeats_sent;
-    const std::uint64_t frames = after.frames_sent - before.frames_sent - heartbeats;
-    EXPECT_LE(frames, kMessages / per_batch + 1 + heartbeats)
-        << "round " << round << ": " << frames << " frames for " << kMessages << " messages";
+    transport::testing::expect_full_batches(before, after, kMessages, kBytes, round);
   }
   std::lock_guard lock(server_in.mu);
   for (std::size_t i = 0; i < server_in.intact[0].size(); ++i) EXPECT_TRUE(server_in.intact[0][i]) << i;
