@@ -85,7 +85,7 @@ set +e
 "$ctl" >/dev/null 2>&1; rc=$?
 "$ctl" status >/dev/null 2>"$tmp/err"; rc2=$?
 set -e
-[[ $rc != 0 ]] || fail "emberctl without a subcommand exited 0"
+[[ $rc == 2 ]] || fail "emberctl without a subcommand: rc=$rc, expected 2 (bad usage)"
 [[ $rc2 == 2 ]] && grep -q -- "--config FILE" "$tmp/err" || fail "status without targets: rc=$rc2"
 # config without its subcommand names it.
 set +e
@@ -94,4 +94,10 @@ set -e
 [[ $rc == 2 ]] || fail "config without a subcommand: rc=$rc, expected 2"
 grep -q "config needs a subcommand" "$tmp/err" && grep -q "emberctl config check: validate a TOML config" "$tmp/err" \
   || fail "config without a subcommand does not name 'check': $(cat "$tmp/err")"
+# A parse error CLI11 raises itself (a missing positional argument) is bad usage too.
+set +e
+"$ctl" config check >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+[[ $rc == 2 ]] && grep -q "file" "$tmp/err" || fail "config check without a file: rc=$rc, expected 2: $(cat "$tmp/err")"
+"$ctl" --help >/dev/null || fail "emberctl --help did not exit 0"
 echo "emberctl_cli_test: ok"

@@ -402,7 +402,9 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // app.exit prints the message (or the help); CLI11's own codes (106 for
+    // a missing subcommand or argument, ...) become this program's 2.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   if (*status || *stats || *checkpoint) {
     auto timeout = parse_timeout(timeout_text);
