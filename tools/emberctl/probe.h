@@ -34,8 +34,11 @@ struct ProbeResult {
   std::uint32_t pings = 0;
 };
 
-// Measures against the sink at host_port. Blocks for about
-// duration + pings x RTT; each socket operation times out after `timeout`.
+// Measures against the sink at host_port. Blocks for the pings (pings x
+// RTT), the 4 MiB warm-up and a bulk transfer sized to last `duration` at
+// the warm-up's rate (it often ends sooner: the warm-up includes TCP's slow
+// start, so its rate is low); each socket operation times out after
+// `timeout`.
 // Errors: kInvalidArgument (address, pings < 1, duration <= 0), kIo
 // (connect, send, receive; naming the address), kTimeout, kProtocol (the
 // peer is not a probe sink).
