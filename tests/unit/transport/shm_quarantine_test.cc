@@ -39,7 +39,12 @@ Options shm_options(std::uint32_t channels = 2) {
   o.max_message_bytes = std::uint64_t{64} << 20;
   o.max_queued_bytes = std::uint64_t{128} << 20;
   o.heartbeat_interval = 50ms;
-  o.heartbeat_timeout = 5s;
+  // Long: no test here waits for heartbeat_timeout, and it bounds how long a
+  // lent payload stays quarantined after a close: a test slower than that
+  // between the close and its checks (TSan on a loaded 2-core CI machine)
+  // would see the completions run, with an error, before the holder dropped
+  // what it held.
+  o.heartbeat_timeout = 60s;
   return o;
 }
 
@@ -158,15 +163,15 @@ TEST(ShmQuarantine, LentBufferHeldPastAnOrderlyCloseComesBackOnlyWhenTheHolderDr
   EXPECT_EQ(p.lender_in.closed_reason()->code(), ErrorCode::kClosed);
   // Both sides have finished; the holder still views both blocks, so the
   // lender must not have them back (nor run the completions: heartbeat_timeout
-  // is 5 s).
+  // is 60 s).
   EXPECT_EQ(p.mem.live(), 2);
   EXPECT_EQ(p.completions.count(), 0);
   // Dropped after the close: the tokens go back through the lane.
   std::vector<Buffer> bufs = p.held.take();
   ASSERT_EQ(bufs.size(), 2u);
   bufs.clear();
-  EXPECT_TRUE(p.mem.wait_all_released(5s));
-  ASSERT_TRUE(p.completions.wait(2, 5s));
+  EXPECT_TRUE(p.mem.wait_all_released(20s));
+  ASSERT_TRUE(p.completions.wait(2, 20s));
   EXPECT_EQ(p.completions.ok, 2);  // both had been consumed
 }
 
@@ -198,8 +203,8 @@ TEST(ShmQuarantine, HeldPayloadsOfManyChannelsComeBackWhenReleasedFromManyThread
   }
   go.store(1);
   for (auto& th : threads) th.join();
-  EXPECT_TRUE(p.mem.wait_all_released(5s)) << p.mem.live() << " blocks still out";
-  ASSERT_TRUE(p.completions.wait(static_cast<int>(kChannels) * kPerChannel, 5s));
+  EXPECT_TRUE(p.mem.wait_all_released(20s)) << p.mem.live() << " blocks still out";
+  ASSERT_TRUE(p.completions.wait(static_cast<int>(kChannels) * kPerChannel, 20s));
   EXPECT_EQ(p.completions.ok, static_cast<int>(kChannels) * kPerChannel);
 }
 
@@ -220,8 +225,8 @@ TEST(ShmQuarantine, IncomingBufferAndConnectionOutliveTheirTransports) {
   // Still readable (the holder's mapping of the lender's region lives).
   EXPECT_FALSE(testing::check_pattern(bufs[0].bytes(), 0, 42).has_value());
   bufs.clear();
-  EXPECT_TRUE(p.mem.wait_all_released(5s));
-  ASSERT_TRUE(p.completions.wait(1, 5s));
+  EXPECT_TRUE(p.mem.wait_all_released(20s));
+  ASSERT_TRUE(p.completions.wait(1, 20s));
   // Then the lender's; both Connections are still held by the test and
   // refuse everything without touching what is gone.
   p.lender.reset();
@@ -234,7 +239,7 @@ TEST(ShmQuarantine, IncomingBufferAndConnectionOutliveTheirTransports) {
   EXPECT_FALSE(p.conn->flush_all());
   p.conn->close();
   p.peer_conn->close();
-  EXPECT_TRUE(p.mem.wait_all_released(5s));
+  EXPECT_TRUE(p.mem.wait_all_released(20s));
 }
 
 // Regression (found in ed2b315, fixed since): ~ShmTransport never returns while a payload it lent is
@@ -251,14 +256,16 @@ TEST(ShmQuarantine, TransportDestroyedWhileAPeerHoldsALentPayloadReturns) {
   ASSERT_TRUE(p.conn->send(0, p.mem.make(1 << 20), p.completions.make()));
   ASSERT_TRUE(p.holder_in.wait_count(0, 1));
   Destroyer d(std::move(p.lender));
-  const bool returned = d.wait(3s);
-  EXPECT_TRUE(returned) << "~Transport still blocked 3 s after it started, with 1 lent payload "
+  // The bug was a destructor that never returned: a generous bound, since
+  // joining the I/O threads under TSan on a loaded machine is not instant.
+  const bool returned = d.wait(20s);
+  EXPECT_TRUE(returned) << "~Transport still blocked 20 s after it started, with 1 lent payload "
                            "held by the peer";
   if (!returned) {
     std::vector<Buffer> bufs = p.held.take();  // unblocks it
   }
   d.join();
-  ASSERT_TRUE(p.completions.wait(1, 5s));
+  ASSERT_TRUE(p.completions.wait(1, 20s));
 }
 
 // One-sided writes racing with the memory owner's close, from several
