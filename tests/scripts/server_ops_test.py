@@ -31,6 +31,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -87,16 +88,38 @@ class Server:
             self.proc.wait()
 
 
+# SO_TIMESTAMPNS (asm-generic/socket.h; Python's socket module lacks the
+# name): the kernel stamps each datagram with the time it reached the socket.
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+
+
+def notify_socket(path):
+    """The NOTIFY_SOCKET datagram socket, bound to `path`, with arrival
+    timestamps: a ping's time is when the server sent it, not when this
+    process (maybe descheduled on a loaded machine) got round to reading it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    return sock
+
+
 def recv_until(sock, predicate, timeout):
-    """Datagrams until predicate(message) is true; returns (message, all seen)."""
+    """Datagrams until predicate(message) is true; returns (message, all seen),
+    each seen entry (arrival time in seconds from the kernel's timestamp,
+    message)."""
     deadline = time.monotonic() + timeout
     seen = []
     while time.monotonic() < deadline:
         r, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
         if not r:
             break
-        msg = sock.recv(4096).decode()
-        seen.append((time.monotonic(), msg))
+        data, ancillary, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(16))
+        msg = data.decode()
+        stamps = [struct.unpack("@qq", d[:16]) for level, kind, d in ancillary
+                  if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS]
+        if not stamps:
+            fail(f"datagram without its SO_TIMESTAMPNS arrival time: {msg!r}")
+        seen.append((stamps[0][0] + stamps[0][1] / 1e9, msg))
         if predicate(msg):
             return msg, seen
     return None, seen
@@ -105,8 +128,7 @@ def recv_until(sock, predicate, timeout):
 def test_notify(server_bin):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "notify.sock")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.bind(path)
+        sock = notify_socket(path)
         watchdog_usec = 1_000_000
         env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC=str(watchdog_usec))
         env.pop("WATCHDOG_PID", None)
