@@ -22,7 +22,11 @@ TEST(WriteWindow, ATimedOutInPlacePullIsNotWrittenByItsLateReply) {
   spec.transport = "shm";
   spec.num_workers = 2;  // bsp: rank 0's pull of step 1 parks until rank 1 pushes step 0
   spec.learning_rate = 0.5;
-  spec.request_timeout = "1s";
+  // The timeout covers every request of this test, set-up included: long
+  // enough that a server descheduled for a while on a loaded machine does
+  // not time out the inits (and above heartbeat_timeout, 2 s, which ends a
+  // longer stall anyway).
+  spec.request_timeout = "3s";
   spec.worker_timeout = "60s";
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
