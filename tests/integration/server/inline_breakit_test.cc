@@ -540,6 +540,10 @@ TEST(InlineBreakit, StoppedWorkerDoesNotStallOtherShards) {
   // Stop the child in the middle of a pipeline a few times; each time
   // worker 0 does 10 rounds on its own keys, then the child goes on.
   std::vector<float> grad(256, 1.0f), out(256);
+  // The stall this test catches lasts until heartbeat_timeout (10 s) closes
+  // the stopped worker's connection. A round slower than half of that is
+  // one; a second or two is a test process descheduled on a loaded machine.
+  constexpr auto kStalled = 5s;
   auto worst = std::chrono::nanoseconds(0);
   const auto began = std::chrono::steady_clock::now();
   const int cycles = 6, rounds = 10;
@@ -557,15 +561,15 @@ TEST(InlineBreakit, StoppedWorkerDoesNotStallOtherShards) {
       worst = std::max(worst, std::chrono::steady_clock::now() - t0);
     }
     child.signal(SIGCONT);
-    if (worst > 1s) break;
+    if (worst > kStalled) break;
   }
   const auto total = std::chrono::steady_clock::now() - began;
   child.signal(SIGKILL);
   (void)child.wait_exit(5s);
-  if (worst <= 1s) {
+  if (worst <= kStalled) {
     EXPECT_EQ(out[0], 4.0f - cycles * rounds * 0.5f);
   }
-  EXPECT_LT(std::chrono::duration_cast<std::chrono::milliseconds>(worst).count(), 1000)
+  EXPECT_LE(worst, kStalled)
       << "worker 0 stalled while worker 1 was stopped: worst round "
       << std::chrono::duration_cast<std::chrono::milliseconds>(worst).count() << " ms, all "
       << std::chrono::duration_cast<std::chrono::milliseconds>(total).count() << " ms\n"
