@@ -30,8 +30,12 @@ struct SenderSide {
   int closed_during_completion = 0;  // on_closed ran while a completion ran
   // Each completion yields the CPU this many times before it ends: it widens
   // the window in which an on_closed that does not wait for completions
-  // running on a caller's thread is seen (set before the senders start).
+  // running on a caller's thread is seen (set before the senders start). The
+  // lingering also ends after linger_limit: on a loaded machine one yield can
+  // give the CPU away for a whole time slice, which is window enough, and 20
+  // of them per completion made a test run for minutes.
   int linger_yields = 0;
+  std::chrono::microseconds linger_limit{200};
   int closed_calls = 0;
   std::vector<std::string> refused;  // errors of refused sends
 
@@ -60,7 +64,10 @@ struct SenderSide {
               if (linger_yields == 0) return;
               const int closed_before = closed_calls;
               done_lock.unlock();
-              for (int i = 0; i < linger_yields; ++i) std::this_thread::yield();
+              const auto until = std::chrono::steady_clock::now() + linger_limit;
+              for (int i = 0; i < linger_yields && std::chrono::steady_clock::now() < until; ++i) {
+                std::this_thread::yield();
+              }
               done_lock.lock();
               if (closed_calls != closed_before) ++closed_during_completion;
             }};
