@@ -579,9 +579,11 @@ TEST(PollBreak, SequentialRoundTripsWithShortPollsAreNeverStranded) {
     for (int k = 0; k < kRoundTrips; ++k) {
       const auto t0 = Clock::now();
       Handle h = w.push_pull(key, grad, out);
-      auto r = h.wait_for(std::chrono::seconds(3));
+      // 10 s: far beyond any stall of a loaded machine, and half the
+      // request_timeout, which would end a stranded request otherwise.
+      auto r = h.wait_for(std::chrono::seconds(10));
       ASSERT_TRUE(h.ready()) << "busy_poll " << busy_poll << ", round trip " << k
-                             << ": no reply after 3 s (stranded in the lane?)";
+                             << ": no reply after 10 s (stranded in the lane?)";
       r = h.wait();
       ASSERT_TRUE(r) << r.error().to_string();
       slowest_us = std::max<std::uint64_t>(
