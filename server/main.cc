@@ -94,6 +94,10 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
       return 1;
     }
+    if (auto s = ember::server::check_shard_cpus(config); !s) {
+      std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
+      return 1;
+    }
     std::printf("ember-server: configuration is valid (%s)\n",
                 config_path.empty() ? "built-in defaults" : config_path.c_str());
     return 0;

@@ -1354,8 +1354,14 @@ Status check_listen_address(const config::Config& config) {
   return ok_status();
 }
 
+Status check_shard_cpus(const config::Config& config) {
+  return config::check_cpus_available(config.server.shard_cpu_affinity,
+                                      "server.shard_cpu_affinity");
+}
+
 Result<std::unique_ptr<Server>> Server::create(const config::Config& config) {
   EMBER_TRY(config::validate(config, "config"));
+  EMBER_TRY(check_shard_cpus(config));
   std::unique_ptr<Server> server(new Server());
   if (Status s = server->impl_->init(config); !s) {
     (void)server->impl_->shutdown();

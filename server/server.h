@@ -85,4 +85,11 @@ class Server {
 // and the key to set; kInvalidArgument/kIo from resolving.
 Status check_listen_address(const config::Config& config);
 
+// What ember-server checks of server.shard_cpu_affinity before it starts (and
+// in --check-config): every CPU is in this process's affinity mask (config::
+// check_cpus_available). Parsing checks only that the CPUs exist, because
+// workers, pinned elsewhere, load the same file. Errors: kConfig naming the
+// key, the CPU and the allowed CPUs.
+Status check_shard_cpus(const config::Config& config);
+
 }  // namespace ember::server

@@ -195,8 +195,28 @@ std::string cpu_ranges(const std::vector<std::uint32_t>& ids) {
 
 }  // namespace
 
+Status check_cpus_exist(std::span<const std::uint32_t> cpus, std::string_view key) {
+  const int num_conf = std::max(1, get_nprocs_conf());
+  for (std::size_t i = 0; i < cpus.size(); ++i) {
+    const std::uint32_t cpu = cpus[i];
+    for (std::size_t j = 0; j < i; ++j) {
+      if (cpus[j] == cpu) {
+        return make_error(ErrorCode::kConfig, "key '{}': CPU {} is listed twice; list each CPU "
+                          "once", key, cpu);
+      }
+    }
+    if (cpu >= static_cast<std::uint32_t>(num_conf)) {
+      return make_error(ErrorCode::kConfig, "key '{}': CPU {} does not exist on this machine "
+                        "(CPUs 0-{}); use CPU ids from `lscpu` or leave {} empty for no pinning",
+                        key, cpu, num_conf - 1, key);
+    }
+  }
+  return ok_status();
+}
+
 Status check_cpus_available(std::span<const std::uint32_t> cpus, std::string_view key) {
   if (cpus.empty()) return ok_status();
+  EMBER_TRY(check_cpus_exist(cpus, key));
   const int num_conf = std::max(1, get_nprocs_conf());
   // The kernel's mask may be larger than the configured count; grow until it fits.
   std::vector<std::uint32_t> allowed;
@@ -224,19 +244,7 @@ Status check_cpus_available(std::span<const std::uint32_t> cpus, std::string_vie
                                   err));
     }
   }
-  for (std::size_t i = 0; i < cpus.size(); ++i) {
-    const std::uint32_t cpu = cpus[i];
-    for (std::size_t j = 0; j < i; ++j) {
-      if (cpus[j] == cpu) {
-        return make_error(ErrorCode::kConfig, "key '{}': CPU {} is listed twice; list each CPU "
-                          "once", key, cpu);
-      }
-    }
-    if (cpu >= static_cast<std::uint32_t>(num_conf)) {
-      return make_error(ErrorCode::kConfig, "key '{}': CPU {} does not exist on this machine "
-                        "(CPUs 0-{}); use CPU ids from `lscpu` or leave {} empty for no pinning",
-                        key, cpu, num_conf - 1, key);
-    }
+  for (const std::uint32_t cpu : cpus) {
     if (!std::binary_search(allowed.begin(), allowed.end(), cpu)) {
       return make_error(ErrorCode::kConfig, "key '{}': CPU {} is not in this process's allowed "
                         "CPUs ({}, set by taskset or the cgroup cpuset); use allowed CPUs only",

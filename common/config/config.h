@@ -222,7 +222,10 @@ struct ServerConfig {
   // shards: shard threads, each owning a key range; 1 .. 1024.
   std::uint32_t num_shards = 1;
   // shard_cpu_affinity: CPU ids the shard threads are pinned to (round
-  // robin); same rules as communication.cpu_affinity.
+  // robin). Parsing checks that they exist and do not repeat
+  // (check_cpus_exist); the server process checks its own affinity mask at
+  // start (server::check_shard_cpus), so a worker pinned elsewhere loads
+  // the same file.
   std::vector<std::uint32_t> shard_cpu_affinity;
   // partition_bytes: tensors larger than this are cut into chunks spread over
   // servers and channels; >= 4 KiB.
@@ -391,5 +394,14 @@ void set_worker_rank(Config& config, std::uint32_t rank) noexcept;
 // or the cgroup cpuset); ..." / "... is listed twice; ...".
 [[nodiscard]] Status check_cpus_available(std::span<const std::uint32_t> cpus,
                                           std::string_view key);
+
+// The machine-wide half of check_cpus_available: every id exists
+// (< get_nprocs_conf()) and none repeats; this process's affinity mask is not
+// consulted. The parser checks server.shard_cpu_affinity this way, because
+// every process of a job loads the same file and a worker pinned by taskset
+// to one core must accept the cores its server's shards are given;
+// ember-server checks the mask itself when it starts (and --check-config).
+// Errors: the "does not exist" and "listed twice" errors above.
+[[nodiscard]] Status check_cpus_exist(std::span<const std::uint32_t> cpus, std::string_view key);
 
 }  // namespace ember::config

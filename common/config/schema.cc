@@ -409,12 +409,19 @@ Field server_list_field() {
   return f;
 }
 
+// Whose affinity mask a CPU list is checked against when it is parsed:
+// kEveryProcess lists (communication.cpu_affinity) pin threads of whichever
+// process loads the file; kServerOnly lists (server.shard_cpu_affinity) pin
+// only ember-server's threads, which checks its own mask at start.
+enum class CpuScope { kEveryProcess, kServerOnly };
+
 template <typename Sub>
 Field cpu_list_field(std::string_view table, std::string_view key, std::string_view doc,
-                     Member<Sub, std::vector<std::uint32_t>> m) {
+                     Member<Sub, std::vector<std::uint32_t>> m, CpuScope scope) {
   const std::string full = fmt::format("{}.{}", table, key);
   auto valid = [=](const std::vector<std::uint32_t>& cpus) -> Problem {
-    auto st = check_cpus_available(cpus, full);
+    auto st = scope == CpuScope::kEveryProcess ? check_cpus_available(cpus, full)
+                                               : check_cpus_exist(cpus, full);
     if (!st) {
       // The message starts with "key '<full>': "; the caller adds that prefix again.
       std::string msg = st.error().message();
@@ -505,7 +512,7 @@ std::vector<Field> build_fields() {
                          comm(&CommunicationConfig::payload_checksum)));
   f.push_back(cpu_list_field("communication", "cpu_affinity",
                              "CPU ids for the I/O threads; [] = not pinned",
-                             comm(&CommunicationConfig::cpu_affinity)));
+                             comm(&CommunicationConfig::cpu_affinity), CpuScope::kEveryProcess));
   f.push_back(uint_field("communication", "io_threads", "I/O threads; 1 .. 256",
                          comm(&CommunicationConfig::num_io_threads), 1, 256,
                          "use 1 to 256 I/O threads"));
@@ -555,7 +562,7 @@ std::vector<Field> build_fields() {
                          "use 1 to 1024 shard threads"));
   f.push_back(cpu_list_field("server", "shard_cpu_affinity",
                              "CPU ids for the shard threads; [] = not pinned",
-                             server(&ServerConfig::shard_cpu_affinity)));
+                             server(&ServerConfig::shard_cpu_affinity), CpuScope::kServerOnly));
   f.push_back(size_field("server", "partition_bytes",
                          "tensors larger than this are cut into chunks; >= 4KB",
                          server(&ServerConfig::partition_bytes), 4 * KiB, TiB));

@@ -3,6 +3,7 @@
 // closed connection for that worker only, while a well-behaved worker
 // carries on. Also: --check-config on bad files, --print-config, metrics.
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <signal.h>
@@ -481,6 +482,48 @@ TEST(ServerCli, CheckConfigRefusesBadFilesWithFileAndLine) {
   auto missing = run_cli(dir, {"--config", (dir / "nope.toml").string(), "--check-config"});
   EXPECT_EQ(missing.status, 1);
   EXPECT_NE(missing.err.find("nope.toml"), std::string::npos) << missing.err;
+}
+
+// server.shard_cpu_affinity is checked against the server's own affinity
+// mask, by ember-server (--check-config and start), not when any process
+// parses the file: a server under `taskset -c A` given shard CPU B refuses
+// to start and says which CPU and which are allowed. (config_test: a worker
+// pinned to A parses the same file.)
+TEST(ServerCli, ShardCpusOutsideTheServersMaskAreRefusedByTheServer) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  std::vector<int> allowed;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) allowed.push_back(c);
+  }
+  if (allowed.size() < 2) GTEST_SKIP() << "needs 2 CPUs in this process's affinity mask";
+  if (::access("/usr/bin/taskset", X_OK) != 0) GTEST_SKIP() << "no /usr/bin/taskset (util-linux)";
+  TempDir dir;
+  ClusterSpec spec;
+  spec.extra_server = fmt::format("shard_cpu_affinity = [{}]", allowed[1]);
+  write_file(dir / "pinned.toml", cluster_toml(spec, {"127.0.0.1:1"}));
+  const std::string needle = fmt::format(
+      "key 'server.shard_cpu_affinity': CPU {} is not in this process's allowed CPUs ({}, set by "
+      "taskset",
+      allowed[1], allowed[0]);
+  for (const bool check_only : {true, false}) {
+    const auto err = dir / "pinned.err";
+    std::filesystem::remove(err);
+    std::vector<std::string> args{"-c", std::to_string(allowed[0]), server_binary(), "--config",
+                                  (dir / "pinned.toml").string()};
+    if (check_only) args.push_back("--check-config");
+    Process p("/usr/bin/taskset", args, err);
+    EXPECT_FALSE(p.wait_line("ember-server ready", 10s)) << "check_only=" << check_only;
+    auto st = p.wait_exit(10s);
+    ASSERT_TRUE(st && WIFEXITED(*st)) << "check_only=" << check_only;
+    EXPECT_EQ(WEXITSTATUS(*st), 1) << "check_only=" << check_only;
+    EXPECT_NE(read_file(err).find(needle), std::string::npos)
+        << "check_only=" << check_only << ": " << read_file(err);
+  }
+  // Unpinned, the same file is valid.
+  auto r = run_cli(dir, {"--config", (dir / "pinned.toml").string(), "--check-config"});
+  EXPECT_EQ(r.status, 0) << r.err;
 }
 
 TEST(ServerCli, PrintConfigShowsTheEffectiveConfigWithOverrides) {

@@ -481,21 +481,64 @@ TEST(ConfigErrors, CpuThatDoesNotExist) {
               HasSubstr("element [0] must be a CPU id (an integer >= 0), got integer -1"));
 }
 
-TEST(ConfigErrors, CpuOutsideAffinityMask) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
-  const long num_conf = sysconf(_SC_NPROCESSORS_CONF);
-  int excluded = -1;
-  for (int c = 0; c < num_conf && c < CPU_SETSIZE; ++c) {
-    if (!CPU_ISSET(c, &set)) {
-      excluded = c;
-      break;
+// Narrows this thread's affinity mask (what sched_getaffinity(0) reads) to
+// one CPU for the test's lifetime, so another existing CPU is outside it;
+// restores the old mask on exit. ok() is false on a 1-CPU machine.
+class OneCpuMask {
+ public:
+  OneCpuMask() {
+    CPU_ZERO(&saved_);
+    if (sched_getaffinity(0, sizeof(saved_), &saved_) != 0 || CPU_COUNT(&saved_) < 2) return;
+    kept_ = first_allowed_cpu();
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &saved_) && static_cast<std::uint32_t>(c) != kept_) {
+        outside_ = static_cast<std::uint32_t>(c);
+        break;
+      }
     }
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(kept_, &one);
+    ok_ = sched_setaffinity(0, sizeof(one), &one) == 0;
   }
-  if (excluded < 0) GTEST_SKIP() << "every configured CPU is in this process's affinity mask";
-  EXPECT_THAT(parse_error(fmt::format("[communication]\ncpu_affinity = [{}]\n", excluded)),
-              HasSubstr("is not in this process's allowed CPUs"));
+  ~OneCpuMask() {
+    if (ok_) sched_setaffinity(0, sizeof(saved_), &saved_);
+  }
+  OneCpuMask(const OneCpuMask&) = delete;
+  OneCpuMask& operator=(const OneCpuMask&) = delete;
+  bool ok() const { return ok_; }
+  std::uint32_t kept() const { return kept_; }
+  std::uint32_t outside() const { return outside_; }
+
+ private:
+  cpu_set_t saved_;
+  bool ok_ = false;
+  std::uint32_t kept_ = 0, outside_ = 0;
+};
+
+TEST(ConfigErrors, CpuOutsideAffinityMask) {
+  OneCpuMask mask;
+  if (!mask.ok()) GTEST_SKIP() << "needs 2 CPUs in this process's affinity mask";
+  EXPECT_THAT(parse_error(fmt::format("[communication]\ncpu_affinity = [{}]\n", mask.outside())),
+              HasSubstr(fmt::format("key 'communication.cpu_affinity': CPU {} is not in this "
+                                    "process's allowed CPUs ({}, set by taskset",
+                                    mask.outside(), mask.kept())));
+}
+
+// server.shard_cpu_affinity pins only ember-server's threads: a worker pinned
+// by taskset to one core loads the same file without an error (the server
+// checks its own mask at start; tests/integration/server/bad_request_test.cc).
+// A CPU that does not exist or repeats is still refused by every process.
+TEST(ConfigErrors, ShardCpusOutsideThisProcessMaskAreLeftToTheServer) {
+  OneCpuMask mask;
+  if (!mask.ok()) GTEST_SKIP() << "needs 2 CPUs in this process's affinity mask";
+  const Config c =
+      parse_ok(fmt::format("[server]\nshard_cpu_affinity = [{}, {}]\n", mask.kept(), mask.outside()));
+  EXPECT_EQ(c.server.shard_cpu_affinity, (std::vector<std::uint32_t>{mask.kept(), mask.outside()}));
+  EXPECT_FALSE(check_cpus_available(c.server.shard_cpu_affinity, "server.shard_cpu_affinity"));
+  EXPECT_TRUE(check_cpus_exist(c.server.shard_cpu_affinity, "server.shard_cpu_affinity"));
+  EXPECT_THAT(parse_error("[server]\nshard_cpu_affinity = [100000]\n"),
+              HasSubstr("key 'server.shard_cpu_affinity': CPU 100000 does not exist"));
 }
 
 TEST(ConfigErrors, SendfileWithHugetlbIsRefused) {
