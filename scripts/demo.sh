@@ -17,7 +17,8 @@
 # workers' logs, stops the servers with SIGTERM (each must exit 0), trains the
 # baseline (fmnist-baseline, batch N*B, same seed) and prints a final table.
 #
-# Defaults: 2 workers, 1 server, 3 epochs, tcp, bsp, batch 128 per worker,
+# Defaults: 2 workers, 1 server, 3 epochs, shm (every process of the demo is
+# on this host; --transport tcp runs the network path), bsp, batch 128 per worker,
 # seed 1, momentum 0.9 and lr 0.05 — under asp and ssp 0.05 / N: there the
 # server applies each worker's gradient on arrival instead of their average.
 # The one-process baseline uses lr under bsp and N * lr under asp and ssp (0.05
@@ -46,7 +47,7 @@ fi
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
-workers=2; servers=1; epochs=3; transport=tcp; mode=bsp; batch=128; seed=1
+workers=2; servers=1; epochs=3; transport=shm; mode=bsp; batch=128; seed=1
 min_accuracy=""; keep_logs=0; lr=""
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 die() { echo "demo: $*" >&2; exit 2; }
