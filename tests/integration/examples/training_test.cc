@@ -765,11 +765,17 @@ TEST_F(FmnistJob, WorkersKilledAndRestartedWithRejoinContinueTheJob) {
   // values the servers ignore). Row blocks of 4 (13 keys) and the kill at
   // a progress line of the other rank put it anywhere in a step: measured,
   // about one kill in three lands in backward, with some keys of the step
-  // already pushed (the re-sent push path).
+  // already pushed (the re-sent push path). An epoch of 300 steps leaves
+  // 240 steps (about 5 s) between the later kill point and the end of
+  // epoch 1, for a test process that reads the progress lines late on a
+  // loaded machine: CI once saw a lag of 29 steps, with 100-step epochs
+  // close to the 40 then left.
+  constexpr std::size_t kSteps = 300;  // per epoch
   const std::string config = write_config(2, "bsp", "wait");
   auto server = start_server(config);
   ASSERT_NE(server, nullptr);
-  const std::vector<std::string> args{"--epochs", "2", "--max-steps-per-epoch", "100",
+  const std::vector<std::string> args{"--epochs", "2", "--max-steps-per-epoch",
+                                      std::to_string(kSteps),
                                       "--progress-every", "1", "--block-rows", "4"};
   std::vector<std::string> rejoin_args = args;
   rejoin_args.push_back("--rejoin");
@@ -798,10 +804,10 @@ TEST_F(FmnistJob, WorkersKilledAndRestartedWithRejoinContinueTheJob) {
     // The rank printed `after` steps: the replies of step after - 2 were
     // in, so the servers are at step after - 1 or later for every tensor.
     EXPECT_GE(*step, kill.after - 1) << describe(again);
-    EXPECT_LT(*step, 100u) << describe(again);
+    EXPECT_LT(*step, kSteps) << describe(again);
     EXPECT_EQ(again.lines().back(),
-              fmt::format("rank {} rejoins the job at step {} (epoch 1, step {} of 100)", kill.rank,
-                          *step, *step));
+              fmt::format("rank {} rejoins the job at step {} (epoch 1, step {} of {})", kill.rank,
+                          *step, *step, kSteps));
     std::printf("rank %u killed after printing step %zu, rejoined at step %llu\n", kill.rank,
                 killed_after, static_cast<unsigned long long>(*step));
   }
@@ -811,18 +817,18 @@ TEST_F(FmnistJob, WorkersKilledAndRestartedWithRejoinContinueTheJob) {
   for (int r = 0; r < 2; ++r) {
     // Each rank was restarted once; it trains only the steps left: its
     // epoch 1 line counts the steps after the resume step, and every rank
-    // ends at step 200.
+    // ends at step 2 * kSteps.
     const auto step = rejoin_step(*w[r]);
     ASSERT_TRUE(step.has_value()) << describe(*w[r]);
     const auto epochs = lines_with(*w[r], "epoch ");
     ASSERT_EQ(epochs.size(), 2u) << describe(*w[r]);
     EXPECT_EQ(epochs[0].rfind("epoch 1/2 ", 0), 0u) << epochs[0];
-    EXPECT_EQ(field(epochs[0], "steps"), std::to_string(100 - *step)) << epochs[0];
-    EXPECT_EQ(field(epochs[1], "steps"), "100") << epochs[1];
-    EXPECT_EQ(lines_with(*w[r], "progress epoch=1 ").size(), 100 - *step) << describe(*w[r]);
+    EXPECT_EQ(field(epochs[0], "steps"), std::to_string(kSteps - *step)) << epochs[0];
+    EXPECT_EQ(field(epochs[1], "steps"), std::to_string(kSteps)) << epochs[1];
+    EXPECT_EQ(lines_with(*w[r], "progress epoch=1 ").size(), kSteps - *step) << describe(*w[r]);
     const auto result = lines_with(*w[r], "RESULT ");
     ASSERT_EQ(result.size(), 1u) << describe(*w[r]);
-    EXPECT_EQ(field(result[0], "steps"), "200") << result[0];
+    EXPECT_EQ(field(result[0], "steps"), std::to_string(2 * kSteps)) << result[0];
     EXPECT_GT(number(result[0], "test_accuracy"), 0.70) << describe(*w[r]);
   }
   // bsp: the end of the last epoch pulls one model on both.
@@ -925,12 +931,15 @@ TEST_F(FmnistJob, RejoinUnderShrinkPullsATensorWhoseRoundClosedWithoutIt) {
 TEST_F(FmnistJob, WorkerRestartedWithoutRejoinIsToldToPassRejoin) {
   // The same restart without --rejoin is refused with a message that names
   // the flag; the refusal leaves the job intact: the rank then rejoins with
-  // --rejoin and the job finishes.
+  // --rejoin and the job finishes. 150 steps leave the kill at step 10
+  // room for a test process that reads progress lines late (see
+  // WorkersKilledAndRestartedWithRejoinContinueTheJob).
+  constexpr int kSteps = 150;
   const std::string config = write_config(2, "bsp", "wait");
   auto server = start_server(config);
   ASSERT_NE(server, nullptr);
-  const std::vector<std::string> args{"--epochs", "1", "--max-steps-per-epoch", "60",
-                                      "--progress-every", "5"};
+  const std::vector<std::string> args{"--epochs", "1", "--max-steps-per-epoch",
+                                      std::to_string(kSteps), "--progress-every", "5"};
   auto w0 = start_worker(config, 0, args);
   auto w1 = start_worker(config, 1, args);
   ASSERT_TRUE(wait_for_step(*w1, 10)) << describe(*w1);
@@ -955,7 +964,7 @@ TEST_F(FmnistJob, WorkerRestartedWithoutRejoinIsToldToPassRejoin) {
   ASSERT_EQ(again->wait_exit(kRunTimeout), 0) << describe(*again);
   ASSERT_EQ(w0->wait_exit(kRunTimeout), 0) << describe(*w0);
   EXPECT_TRUE(rejoin_step(*again).has_value()) << describe(*again);
-  EXPECT_EQ(field(lines_with(*again, "RESULT ")[0], "steps"), "60");
+  EXPECT_EQ(field(lines_with(*again, "RESULT ")[0], "steps"), std::to_string(kSteps));
   server->signal(SIGTERM);
   EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
 }
