@@ -84,6 +84,15 @@ class Process {
     }
   }
 
+  // Reads every line already in the pipe, without waiting; lines() then
+  // holds all the child has written so far (but what is in flight).
+  void read_available() {
+    while (!out_eof_) {
+      pollfd pfd{out_, POLLIN, 0};
+      if (::poll(&pfd, 1, 0) <= 0 || !drain_available()) return;
+    }
+  }
+
   // Waits for the exit (reading stdout meanwhile); the exit code, 128 + the
   // signal for a killed child, or nullopt at the deadline.
   std::optional<int> wait_exit(std::chrono::milliseconds timeout) {

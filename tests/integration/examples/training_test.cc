@@ -245,7 +245,9 @@ class FmnistJob : public ::testing::Test {
 
   // A job config: tcp on 127.0.0.1, bsp, momentum SGD lr 0.05 m 0.9 (the
   // demo's), a lost worker fails the round at once (or, with
-  // on_worker_loss "wait", the rounds wait up to 20 s for it). The server
+  // on_worker_loss "wait", the rounds wait up to 60 s for it: two Debug
+  // worker start-ups, a refused one and a rejoining one, must fit in it on
+  // a loaded machine; below request_timeout, 120 s). The server
   // address is a placeholder: the server listens on a free port (--listen
   // :0) and the workers get the real one with --set.
   std::string write_config(std::uint32_t num_workers, const std::string& consistency = "bsp",
@@ -263,7 +265,7 @@ class FmnistJob : public ::testing::Test {
       << "[server]\n"
       << "consistency = \"" << consistency << "\"\n"
       << "on_worker_loss = \"" << on_worker_loss << "\"\n"
-      << "worker_timeout = \"20s\"\n"
+      << "worker_timeout = \"60s\"\n"
          "[optimizer]\n"
          "type = \"momentum\"\n"
          "learning_rate = 0.05\n"
@@ -397,7 +399,13 @@ class FmnistJob : public ::testing::Test {
       if (!before_training) before_training = newest;
       if (newest > *before_training) {
         checkpoint = newest;
-        target = std::max(read_at + 10, kill_from);
+        // The line just read can be old (lines wait in the pipe while this
+        // loop is descheduled): the target counts from the newest step
+        // worker 0 has printed so far, and checkpoint N is at most that
+        // step plus the one or two steps in flight.
+        w0->read_available();
+        read_at = std::max(read_at, global_step(*w0));
+        target = std::max(read_at + 15, kill_from);
       }
     }
     // Stall worker 1's replies. Two checkpoint intervals later both workers

@@ -470,6 +470,9 @@ TEST(InlineBreakitChild, DISABLED_FloodsPullsUntilStopped) {
   }
   std::vector<std::string> sets = kComm;
   sets.push_back("worker.rank=1");
+  // The server's 10 s (below): stopped for seconds at a time, this child
+  // must not take the server for lost when it resumes.
+  sets.push_back("communication.heartbeat_timeout=10s");
   auto w = Worker::create_from_file(path, sets);
   ASSERT_TRUE(w) << w.error().to_string();
   const std::uint64_t shape[] = {256};

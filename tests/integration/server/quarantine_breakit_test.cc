@@ -90,11 +90,17 @@ TEST(ShmStalledServer, HeldPushSurvivesTheStallAndTheRoundUsesItsOriginalBytes) 
   });
   // Rank 1 pushes first: the server keeps its contribution (the lent pool
   // copy of this heap gradient) until rank 0's arrives.
+  // The stop comes once the server has sent the push's reply (into the
+  // shared ring, where the worker reads it while the server is stopped):
+  // its bytes received rising is too early, the shard may not have handled
+  // the push yet, and then the push has no reply and fails.
   const long received_before = metric(server, "ember_server_bytes_received");
+  const long sent_before = metric(server, "ember_server_messages_sent");
   std::vector<float> g1(kElements, 3.0f);
   Handle h1 = workers[1]->push(1, g1);
   ASSERT_TRUE(wait_metric(server, "ember_server_bytes_received",
                           received_before + static_cast<long>(kElements * 4)));
+  ASSERT_TRUE(wait_metric(server, "ember_server_messages_sent", sent_before + 1));
   server.process().signal(SIGSTOP);
   // Declared dead after heartbeat_timeout (2 s); the push is done at most
   // heartbeat_timeout after that (its reply came at once), while the server

@@ -269,8 +269,12 @@ class StalledPeer {
  public:
   explicit StalledPeer(const std::string& behaviour, const char* name) {
     Options o = server_options(Mode{"shm", Kind::kShm, ZeroCopy::kWritev});
-    o.heartbeat_interval = 50ms;
-    o.heartbeat_timeout = 400ms;
+    // 3 s: the checks right after the close (nothing completed yet) must
+    // run before the completions' heartbeat_timeout linger ends, and the
+    // child must not be declared dead before its SIGSTOP, on a loaded
+    // machine (400 ms was a thin margin for both).
+    o.heartbeat_interval = 100ms;
+    o.heartbeat_timeout = 3s;
     auto t = Transport::create(o);
     EMBER_CHECK(t.has_value());
     transport = std::move(*t);
@@ -302,7 +306,7 @@ class StalledPeer {
     }
     for (int i = 1; i <= 4; ++i) ASSERT_TRUE(child->wait_line("GOT " + std::to_string(i)));
     child->signal(SIGSTOP);
-    ASSERT_TRUE(in.wait_closed(10s));
+    ASSERT_TRUE(in.wait_closed(30s));
     EXPECT_EQ(in.closed_reason()->code(), ErrorCode::kTimeout) << in.closed_reason()->to_string();
     EXPECT_EQ(conn->stats().queued_bytes, 0u);
   }

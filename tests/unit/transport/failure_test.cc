@@ -381,7 +381,7 @@ TEST(TcpFailure, SilentPeerIsDeclaredDeadAfterTheHeartbeatTimeout) {
   ASSERT_TRUE(peer.connect(server.listener->address()));
   ASSERT_TRUE(peer.handshake(good_hello()));
   const auto start = std::chrono::steady_clock::now();
-  ASSERT_TRUE(server.inbox.wait_closed(5s));
+  ASSERT_TRUE(server.inbox.wait_closed(30s));
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_EQ(server.inbox.closed_reason()->code(), ErrorCode::kTimeout);
   EXPECT_NE(server.inbox.closed_reason()->message().find("heartbeat_timeout"), std::string::npos);
@@ -391,26 +391,27 @@ TEST(TcpFailure, SilentPeerIsDeclaredDeadAfterTheHeartbeatTimeout) {
       "the peer is dead or stalled; see docs/troubleshooting.md#worker-loss"))
       << server.inbox.closed_reason()->to_string();
   // Not before the timeout (less the few ms between the server's start of
-  // the clock and ours), and well before anything else would close it.
+  // the clock and ours), and well before anything else would close it (a
+  // loaded TSan run can be seconds late; nothing else closes it at all).
   EXPECT_GE(took, 250ms);
-  EXPECT_LT(took, 3s);
+  EXPECT_LT(took, 20s);
 }
 
 TEST(TcpHeartbeat, IdleButHealthyConnectionsStayUp) {
   Options o = tcp_options();
-  // 20 heartbeats per timeout: a heartbeat may be late by up to 1.9 s before
+  // 25 heartbeats per timeout: a heartbeat may be late by up to 4.8 s before
   // the connection is (wrongly, for this test) closed. With 20 ms / 200 ms a
   // test process or I/O thread descheduled for 0.2 s (TSan on a loaded
   // 2-core CI machine) loses the connection although heartbeats work.
-  o.heartbeat_interval = 100ms;
-  o.heartbeat_timeout = 2s;
+  o.heartbeat_interval = 200ms;
+  o.heartbeat_timeout = 5s;
   Server server(o);
   HealthyPair good(server.listener->address(), o);
   ASSERT_TRUE(server.inbox.wait_accepted(1));
   // Two and a half heartbeat timeouts pass: the connection must not be
   // closed in that time (the condition waited for must not happen).
   auto server_conn = server.inbox.accepted_at(0);
-  EXPECT_FALSE(server.inbox.wait_closed(5s));
+  EXPECT_FALSE(server.inbox.wait_closed(12s));
   EXPECT_FALSE(good.in.wait_closed(1ms));
   EXPECT_GE(server_conn->stats().heartbeats_received, 10u);
   EXPECT_GE(good.conn->stats().heartbeats_received, 10u);
