@@ -249,7 +249,10 @@ class FmnistJob : public ::testing::Test {
   // worker start-ups, a refused one and a rejoining one, must fit in it on
   // a loaded machine; below request_timeout, 120 s). The server
   // address is a placeholder: the server listens on a free port (--listen
-  // :0) and the workers get the real one with --set.
+  // :0) and the workers get the real one with --set. heartbeat_timeout is
+  // 30 s: no test here detects a loss by heartbeats (a killed process closes
+  // its sockets), and restart_with_a_rank_ahead holds worker 1's replies for
+  // two checkpoint intervals or more, which a loaded machine stretches.
   std::string write_config(std::uint32_t num_workers, const std::string& consistency = "bsp",
                            const std::string& on_worker_loss = "fail") {
     const std::string p = path(fmt::format("job-{}.toml", configs_++));
@@ -258,7 +261,7 @@ class FmnistJob : public ::testing::Test {
          "transport = \"tcp\"\n"
          "prealloc_pages = 16\n"
          "heartbeat_interval = \"250ms\"\n"
-         "heartbeat_timeout = \"5s\"\n"
+         "heartbeat_timeout = \"30s\"\n"
          "[cluster]\n"
          "servers = [\"127.0.0.1:1\"]\n"
       << "num_workers = " << num_workers << "\n"
