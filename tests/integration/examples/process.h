@@ -87,9 +87,7 @@ class Process {
   // Reads every line already in the pipe, without waiting; lines() then
   // holds all the child has written so far (but what is in flight).
   void read_available() {
-    while (!out_eof_) {
-      pollfd pfd{out_, POLLIN, 0};
-      if (::poll(&pfd, 1, 0) <= 0 || !drain_available()) return;
+    while (poll_then_drain(0)) {
     }
   }
 
@@ -137,8 +135,14 @@ class Process {
     if (out_eof_) return false;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return false;
+    return poll_then_drain(static_cast<int>(left.count()));
+  }
+  // Waits up to `timeout_ms` (0: not at all) for output, then reads what is
+  // there. False when nothing came or at EOF.
+  bool poll_then_drain(int timeout_ms) {
+    if (out_eof_) return false;
     pollfd pfd{out_, POLLIN, 0};
-    if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return false;
+    if (::poll(&pfd, 1, timeout_ms) <= 0) return false;
     return drain_available();
   }
   bool drain_available() {
