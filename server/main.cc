@@ -27,6 +27,7 @@
 #include <systemd/sd-daemon.h>
 #endif
 
+#include "common/base/cli_exit.h"
 #include "common/base/logging.h"
 #include "common/config/config.h"
 #include "server/server.h"
@@ -62,13 +63,16 @@ int run(int argc, char** argv) {
   app.add_option("--listen", listen,
                  "HOST:PORT to bind, overriding server.listen (port 0: any free port)");
   app.add_option("--set", overrides, "override one key: table.key=value (repeatable)");
-  app.add_flag("--check-config", check_config, "validate the configuration and exit (0 = valid)");
+  CLI::Option* check = app.add_flag("--check-config", check_config,
+                                    "validate the configuration and exit (0 = valid, 1 = not)");
   app.add_flag("--print-config", print_config,
-               "print the effective configuration, defaults included, and exit");
+               "print the effective configuration, defaults included, and exit (1 if the file "
+               "or a --set is invalid); not with --check-config")
+      ->excludes(check);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return ember::cli_exit(app, e);  // 2: the command line itself is wrong
   }
 
   ember::Result<ember::config::Config> loaded =

@@ -18,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "common/base/cli_exit.h"
 #include "common/base/error.h"
 #include "common/base/logging.h"
 #include "examples/fashion_mnist/cli.h"
@@ -188,7 +189,11 @@ int main(int argc, char** argv) {
     app.add_option("--save-params", o.save_params,
                    "After training, write the parameters to this file (raw float32, key order, "
                    "as fmnist-worker --save-params)");
-    CLI11_PARSE(app, argc, argv);
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      return ember::cli_exit(app, e);
+    }
     ember::log::init_program_logging(o.log_level);
     return train(std::move(o));
   } catch (const std::exception& e) {

@@ -54,6 +54,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/base/cli_exit.h"
 #include "common/base/error.h"
 #include "common/base/logging.h"
 #include "common/config/config.h"
@@ -354,7 +355,11 @@ int main(int argc, char** argv) {
                    "Pin the training thread to this CPU (it must be in the taskset mask); the "
                    "I/O threads follow [communication] cpu_affinity, e.g. a spare core")
         ->check(CLI::Range(0, CPU_SETSIZE - 1));
-    CLI11_PARSE(app, argc, argv);
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      return ember::cli_exit(app, e);
+    }
     ember::log::init_program_logging(o.log_level);
     return Run(std::move(o)).main();
   } catch (const std::exception& e) {

@@ -31,6 +31,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "common/base/cli_exit.h"
 #include "common/base/units.h"
 #include "common/config/config.h"
 #include "common/record/recording.h"
@@ -402,9 +403,7 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // app.exit prints the message (or the help); CLI11's own codes (106 for
-    // a missing subcommand or argument, ...) become this program's 2.
-    return app.exit(e) == 0 ? 0 : 2;
+    return ember::cli_exit(app, e);
   }
   if (*status || *stats || *checkpoint) {
     auto timeout = parse_timeout(timeout_text);

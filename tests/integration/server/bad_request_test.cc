@@ -526,6 +526,30 @@ TEST(ServerCli, ShardCpusOutsideTheServersMaskAreRefusedByTheServer) {
   EXPECT_EQ(r.status, 0) << r.err;
 }
 
+// A command line that does not parse exits 2 (1 is for a bad configuration),
+// with CLI11's message naming the argument; --help exits 0.
+TEST(ServerCli, UsageErrorsExitTwoNamingTheArgument) {
+  TempDir dir;
+  struct Case {
+    std::vector<std::string> args;
+    std::string needle;
+  };
+  const std::vector<Case> cases{
+      {{"--bogus"}, "--bogus"},
+      {{"--listen"}, "--listen"},
+      // Either would exit before the other: asking for both is a mistake.
+      {{"--check-config", "--print-config"}, "excludes"},
+  };
+  for (const auto& c : cases) {
+    auto r = run_cli(dir, c.args);
+    EXPECT_EQ(r.status, 2) << c.needle << ": " << r.out << r.err;
+    EXPECT_NE((r.out + r.err).find(c.needle), std::string::npos) << r.out << r.err;
+  }
+  auto help = run_cli(dir, {"--help"});
+  EXPECT_EQ(help.status, 0) << help.err;
+  EXPECT_NE(help.out.find("--check-config"), std::string::npos) << help.out;
+}
+
 TEST(ServerCli, PrintConfigShowsTheEffectiveConfigWithOverrides) {
   TempDir dir;
   auto r = run_cli(dir, {"--print-config", "--listen", "127.0.0.1:9999", "--set",
