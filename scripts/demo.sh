@@ -52,6 +52,10 @@ min_accuracy=""; keep_logs=0; lr=""
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 die() { echo "demo: $*" >&2; exit 2; }
 while (($#)); do
+  # --option=value is --option value.
+  if [[ $1 =~ ^(--[a-z-]+)=(.*)$ ]]; then
+    set -- "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" "${@:2}"
+  fi
   case "$1" in
     --workers|--servers|--epochs|--transport|--mode|--batch-size|--seed|--min-accuracy|--lr)
       (($# >= 2)) || die "$1 needs a value (see --help)" ;;&
@@ -261,7 +265,7 @@ less_than() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a < b) }'; }
 shown_epoch=1
 cr=""; [[ -t 1 ]] && cr=$'\r\e[K'
 render() {
-  local final=${1:-0} e s_min=-1 total=0 loss="" line r log
+  local final=${1:-0} s_min=-1 total=0 loss="" line r log
   for ((r = 0; r < workers; r++)); do
     log=$run_dir/worker-$r.log
     line=$(grep -a "^progress epoch=$shown_epoch " "$log" 2>/dev/null | tail -n 1) || true
@@ -308,7 +312,13 @@ if ((launcher_rc != 0)); then
   cat "$run_dir/launcher.log" >&2
   for ((r = 0; r < workers; r++)); do show_log "$run_dir/worker-$r.log"; done
   for ((i = 0; i < servers; i++)); do show_log "$run_dir/server-$i.log"; done
-  fail "a worker failed (exit code $launcher_rc)"
+  # The first worker error, in the last line too (e.g. "training diverged:
+  # ... lower the learning rate"), so the reason is not only in the logs.
+  reason=""
+  for ((r = 0; r < workers; r++)); do
+    reason=$(grep -a -m 1 -E '^fmnist-worker.*: (error|fatal): ' "$run_dir/worker-$r.log" 2>/dev/null) && break
+  done
+  fail "a worker failed (exit code $launcher_rc)${reason:+: $reason}"
 fi
 
 # ---------------------------------------------------------------- stop servers

@@ -23,6 +23,10 @@ expect_refused "--workers must be a number >= 1 (got '0')" --workers 0
 expect_refused "--transport must be tcp or shm (got 'udp')" --transport udp
 expect_refused "--mode must be bsp, asp or ssp" --mode sync
 expect_refused "unknown argument '--gpus'" --gpus 2
+# --option=value is --option value.
+expect_refused "--transport must be tcp or shm (got 'udp')" --transport=udp
+expect_refused "--workers must be a number >= 1 (got '')" --workers=
+expect_refused "unknown argument '--gpus'" --gpus=2
 # 0 matches the number pattern; the servers would refuse it only after the build.
 expect_refused "--lr must be a positive number (got '0')" --lr 0
 expect_refused "--lr must be a positive number (got '0.0e5')" --lr 0.0e5

@@ -5,6 +5,8 @@
 #  - the first-build note is printed only while build/release has no
 #    ember-server; a failed build whose log has no error line still ends in
 #    "FAILED: the build failed" with the log's last lines;
+#  - a worker that fails ends the demo with exit code 1 and its error line in
+#    the FAILED line, not only in the log excerpts before it;
 #  - SIGINT to the demo's process group while the workers run (started the
 #    way a script does it, `setsid scripts/demo.sh &`, which leaves SIGINT
 #    ignored on entry) says "interrupted", stops the server and the workers,
@@ -68,11 +70,29 @@ EOF
 cat >"$tree/build/release/examples/fashion_mnist/fmnist-worker" <<'EOF'
 #!/bin/sh
 echo "progress epoch=1 step=1/10 loss=2.3"
+if [ "$EMBER_WORKER_RANK" = "${EMBER_TEST_FAILING_RANK:-}" ]; then
+  echo "fmnist-worker rank $EMBER_WORKER_RANK: error: training diverged: the loss is -nan at epoch 1 step 2; lower the learning rate" >&2
+  exit 1
+fi
 echo "$$" >"$EMBER_TEST_PIDS/worker-$EMBER_WORKER_RANK"
 exec sleep 300
 EOF
 printf '#!/bin/sh\nexit 1\n' >"$tree/build/release/examples/fashion_mnist/fmnist-baseline"
 chmod +x "$tree"/build/release/server/ember-server "$tree"/build/release/examples/fashion_mnist/*
+
+# A failing worker: its error is the reason given in the last line.
+set +e
+out=$(PATH="$tmp/bin-ok:$PATH" EMBER_SKIP_DEPS=1 EMBER_TEST_PIDS="$tmp/pids" TMPDIR="$tmp" \
+  EMBER_TEST_FAILING_RANK=1 timeout 60 "$tree/scripts/demo.sh" --workers 2 --epochs 1 2>&1)
+rc=$?
+set -e
+[[ $rc == 1 ]] || fail "failing worker: exit code $rc, expected 1: $out"
+want="demo: FAILED: a worker failed (exit code 1): fmnist-worker rank 1: error: training diverged"
+grep -q -F -- "$want" <<<"$out" || fail "the FAILED line does not give the worker's error: $out"
+for f in server worker-0; do
+  ! kill -0 "$(cat "$tmp/pids/$f")" 2>/dev/null || fail "$f survived the failed demo"
+done
+rm -f "$tmp"/pids/*
 
 # Started as a script starts a job: a simple command with `&` and no job
 # control ignores SIGINT (a subshell `( ... ) &` would not).
