@@ -20,7 +20,7 @@ while (($#)); do
     --cores) cores="$2"; shift 2 ;;
     --log-dir) log_dir="$2"; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) echo "launch_workers: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
