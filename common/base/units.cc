@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 namespace ember {
 namespace {
@@ -161,6 +162,18 @@ std::string format_bytes(std::uint64_t bytes) {
   if (unit == 0) return fmt::format("{} B", bytes);
   if (std::fabs(value - std::round(value)) < 1e-9) return fmt::format("{:.0f} {}", value, kNames[unit]);
   return fmt::format("{:.2f} {}", value, kNames[unit]);
+}
+
+std::string duration_text(std::chrono::nanoseconds d) {
+  const std::int64_t ns = d.count();
+  static constexpr std::pair<std::int64_t, std::string_view> kUnits[] = {
+      {3'600'000'000'000, "h"}, {60'000'000'000, "m"}, {1'000'000'000, "s"},
+      {1'000'000, "ms"},        {1'000, "us"}};
+  if (ns == 0) return "0s";
+  for (const auto& [mult, name] : kUnits) {
+    if (ns % mult == 0) return fmt::format("{}{}", ns / mult, name);
+  }
+  return fmt::format("{}ns", ns);
 }
 
 }  // namespace ember

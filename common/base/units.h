@@ -32,4 +32,8 @@ namespace ember {
 // Human form of a byte count: "4 KiB", "1.5 MiB", "123 B".
 std::string format_bytes(std::uint64_t bytes);
 
+// A duration in the spelling parse_duration reads back, with the largest
+// unit that divides it exactly: "20us", "1s", "2m", "0s", "1500ns".
+std::string duration_text(std::chrono::nanoseconds d);
+
 }  // namespace ember

@@ -52,19 +52,6 @@ std::string size_text(std::uint64_t bytes) {
   return fmt::format("{}B", bytes);
 }
 
-// "20us", "1s", "2m", "0s": the largest unit that divides exactly.
-std::string duration_text(std::chrono::nanoseconds d) {
-  const std::int64_t ns = d.count();
-  static constexpr std::pair<std::int64_t, std::string_view> kUnits[] = {
-      {3'600'000'000'000, "h"}, {60'000'000'000, "m"}, {1'000'000'000, "s"},
-      {1'000'000, "ms"},        {1'000, "us"}};
-  if (ns == 0) return "0s";
-  for (const auto& [mult, name] : kUnits) {
-    if (ns % mult == 0) return fmt::format("{}{}", ns / mult, name);
-  }
-  return fmt::format("{}ns", ns);
-}
-
 // Shortest decimal that reads back to the same double, always with a '.' or
 // an exponent so that TOML sees a float.
 std::string double_text(double v) {

@@ -63,8 +63,8 @@ std::string config_summary(const config::Config& c, std::string_view path) {
                      cm.payload_checksum ? "on" : "off", config::to_string(cm.pool_backing));
   out += fmt::format("  channels            {}{}\n", config::resolved_num_channels(cm),
                      cm.num_channels == 0 ? " (auto)" : "");
-  out += fmt::format("  batching            batch_threshold {}, flush_interval {} ns, ring_buffer_size {}\n",
-                     format_bytes(cm.batch_threshold_bytes), cm.flush_interval.count(),
+  out += fmt::format("  batching            batch_threshold {}, flush_interval {}, ring_buffer_size {}\n",
+                     format_bytes(cm.batch_threshold_bytes), duration_text(cm.flush_interval),
                      cm.ring_buffer_slots);
   out += fmt::format("  page pool           {} pages of 2 MiB ({})\n", cm.prealloc_pages,
                      format_bytes(std::uint64_t{cm.prealloc_pages} << 21));

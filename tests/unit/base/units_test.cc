@@ -85,5 +85,21 @@ TEST(FormatBytes, HumanUnits) {
   EXPECT_EQ(format_bytes(3u << 19), "1.50 MiB");
 }
 
+TEST(DurationText, LargestExactUnitAndReadsBack) {
+  using namespace std::chrono_literals;
+  EXPECT_EQ(duration_text(0ns), "0s");
+  EXPECT_EQ(duration_text(20us), "20us");
+  EXPECT_EQ(duration_text(1500ns), "1500ns");
+  EXPECT_EQ(duration_text(1500ms), "1500ms");
+  EXPECT_EQ(duration_text(2min), "2m");
+  EXPECT_EQ(duration_text(3h), "3h");
+  for (const std::chrono::nanoseconds d :
+       std::initializer_list<std::chrono::nanoseconds>{0ns, 7ns, 1us, 250ms, 90s, 61min}) {
+    auto back = parse_duration(duration_text(d));
+    ASSERT_TRUE(back) << duration_text(d);
+    EXPECT_EQ(*back, d) << duration_text(d);
+  }
+}
+
 }  // namespace
 }  // namespace ember
