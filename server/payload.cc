@@ -17,7 +17,13 @@ Payload Payload::copy_of(std::span<const std::byte> bytes) {
   p.size_ = copy.size();
   p.owner_ = transport::Buffer::adopt(std::as_writable_bytes(std::span<float>(copy)),
                                       transport::MemoryLocation{}, std::move(copy));
+  p.is_copy_ = true;
   return p;
+}
+
+void Payload::detach() {
+  if (is_copy_ || empty()) return;
+  *this = copy_of(std::as_bytes(values()));  // the old buffer is released by the move
 }
 
 Payload Payload::adopt(transport::Buffer buffer, std::size_t offset_bytes, std::size_t num_elements) {

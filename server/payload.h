@@ -44,12 +44,23 @@ class Payload {
     owner_.reset();
     data_ = nullptr;
     size_ = 0;
+    is_copy_ = false;
   }
+  // Whether the elements live in this Payload's own heap copy (copy_of, of,
+  // a misaligned adopt, or after detach) rather than in an adopted buffer.
+  bool is_copy() const noexcept { return is_copy_; }
+  // Keeps the elements in a heap copy and releases an adopted buffer now:
+  // over shm that buffer is the worker's own pool block, which the worker
+  // gets back only at its release, so a contribution the shard must keep
+  // for a round that cannot complete (a failed rank) would otherwise hold the
+  // worker's push forever. No-op for a copy or an empty Payload.
+  void detach();
 
  private:
   transport::Buffer owner_;
   const float* data_ = nullptr;
   std::size_t size_ = 0;
+  bool is_copy_ = false;
 };
 
 }  // namespace ember::server

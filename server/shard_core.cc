@@ -260,6 +260,7 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
   ++round.num_contributions;
   e.clocks[rank] = t + 1;
   if (t == e.version) fold_ready(e);
+  detach_blocked_rounds(e);  // a push into a round a lost rank blocks
   return PushOutcome::kRecorded;
 }
 
@@ -497,10 +498,23 @@ void ShardCore::on_push_pull(const Request& request, Payload gradient, TimePoint
   park_or_answer(*e, Parked{request, request.header.step + 1, WaitKind::kPushPull}, sink);
 }
 
+void ShardCore::detach_blocked_rounds(Entry& e) {
+  for (auto& [step, round] : e.rounds) {
+    bool blocked = false;
+    for (std::uint32_t r = 0; r < options_.num_workers && !blocked; ++r) {
+      // Failed, or lost and waited for (policy wait): not excluded (shrink).
+      blocked = !round.pushed[r] && !membership_.present(r) && !membership_.excluded(r);
+    }
+    if (!blocked) continue;
+    for (Payload& held : round.held) held.detach();
+  }
+}
+
 void ShardCore::serve_all(ReplySink& sink) {
   for (auto& [id, e] : entries_) {
     complete_rounds(*e);
     serve_parked(*e, sink);
+    detach_blocked_rounds(*e);
   }
   if (membership_.failed(0)) {
     for (auto& [id, pending] : pending_inits_) {

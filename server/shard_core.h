@@ -337,6 +337,14 @@ class ShardCore {
   void park_or_answer(Entry& e, Parked parked, ReplySink& sink);
   void serve_parked(Entry& e, ReplySink& sink);
   void serve_all(ReplySink& sink);
+  // bsp: the held contributions of e's rounds that wait for a lost rank
+  // (failed, or waited for under policy wait) move to heap copies
+  // (Payload::detach), giving their pushers' buffers back. Such a round
+  // completes only if that rank comes back, which may be never; over shm the
+  // buffer is the pusher's pool block, and its push stays undone (even past
+  // request_timeout) until the block is given back. The contributions are
+  // kept: a returning rank completes the round as usual.
+  void detach_blocked_rounds(Entry& e);
   std::string entry_name(const EntryId& id) const;
   // The step this entry expects next from `rank`: its clock, under bsp at
   // least the version (a rank excluded from past rounds resumes there).

@@ -487,6 +487,78 @@ TEST(ServerWorkerLoss, FailPolicyReturnsWorkerLostAtOnce) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
 }
 
+// Over shm a large gradient in a pool block (allocate) is read by the server
+// from the worker's own memory, and the push is done only when the server
+// gives the block back. A round blocked by a lost rank used to keep it for
+// good: rank 0's push_pull never completed, not at the worker_lost reply
+// (fail) nor at request_timeout (wait). The server now copies what it keeps
+// and gives the block back as soon as the round waits for a lost rank.
+void shm_pool_push_pull_survives_loss(const std::string& policy) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.transport = "shm";
+  spec.num_workers = 2;
+  spec.loss_policy = policy;
+  spec.worker_timeout = "120s";  // wait: the round outlives the test
+  spec.request_timeout = "4s";
+  spec.learning_rate = 1.0;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  constexpr std::uint64_t n = 1 << 18;  // 1 MiB: far above batch_threshold, lent
+  const std::filesystem::path w1_config = dir / "worker.toml";
+  write_file(w1_config, cluster_toml(spec, {server.address()}));
+  // Rank 1 pushes step 0 and stops there (SIGSTOP-like: alive, silent).
+  Process w1(test_worker_binary(),
+             {"--config", w1_config.string(), "--rank", "1", "--key", "1", "--elements",
+              std::to_string(n), "--steps", "100", "--stop-after", "0"},
+             dir / "worker1.log");
+  auto w = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(w) << w.error().to_string();
+  Worker& w0 = **w;
+  TensorBuffer init = w0.allocate(n * 4), grad = w0.allocate(n * 4), out = w0.allocate(n * 4);
+  std::fill(init.floats().begin(), init.floats().end(), 0.0f);
+  std::fill(grad.floats().begin(), grad.floats().end(), 2.0f);
+  const std::uint64_t shape[] = {n};
+  ASSERT_TRUE(w0.init(1, shape, init.floats()).wait());
+  // Step 0 completes with both gradients: 0 - (1 + 2) / 2. (Rank 1's push
+  // is done only then: the server reads it from rank 1's pool block too.)
+  auto r = w0.push_pull(1, grad.floats(), out.floats()).wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  ASSERT_EQ(out.floats()[0], -1.5f);
+  ASSERT_TRUE(w1.wait_line("pushed 0", 30s))
+      << fmt::format("{}", fmt::join(w1.lines(), "\n")) << read_file(dir / "worker1.log");
+  // Step 1 waits for rank 1, which dies.
+  Handle pending = w0.push_pull(1, grad.floats(), out.floats());
+  std::this_thread::sleep_for(200ms);  // the gradient reaches the server's round
+  const auto t0 = std::chrono::steady_clock::now();
+  w1.signal(SIGKILL);
+  r = pending.wait_for(30s);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(pending.ready()) << policy << ": the push_pull still runs 30 s after the loss (the "
+                                              "server never gave its pool block back)";
+  ASSERT_FALSE(r);
+  if (policy == "fail") {
+    EXPECT_EQ(r.error().code(), ErrorCode::kWorkerLost) << r.error().to_string();
+  } else {
+    EXPECT_EQ(r.error().code(), ErrorCode::kTimeout) << r.error().to_string();
+  }
+  // request_timeout is 4 s and worker_timeout 120 s: well under the latter.
+  EXPECT_LT(waited, 30s) << policy;
+  // The server carries on: a pull of what step 0 made is answered.
+  std::vector<float> params(n, -9.0f);
+  auto pulled = w0.pull(1, params, 0).wait();
+  ASSERT_TRUE(pulled) << pulled.error().to_string();
+  EXPECT_EQ(params[0], -1.5f);
+}
+
+TEST(ServerWorkerLoss, ShmPoolGradientOfABlockedRoundIsGivenBackUnderFail) {
+  shm_pool_push_pull_survives_loss("fail");
+}
+
+TEST(ServerWorkerLoss, ShmPoolGradientOfABlockedRoundIsGivenBackUnderWait) {
+  shm_pool_push_pull_survives_loss("wait");
+}
+
 TEST(ServerWorkerLoss, ShrinkPolicyContinuesWithTheRemainingWorker) {
   LossScenario s("shrink");
   ASSERT_TRUE(s.server->ok());

@@ -459,6 +459,85 @@ TEST_F(ShardCoreTest, FailPolicyAnswersWaitersAtOnce) {
   EXPECT_EQ(core->stats().rounds_completed, 1u);
 }
 
+// A gradient adopted from a transport buffer (over shm: the worker's own
+// pool block, given back at its release) whose round waits for a lost rank
+// is copied and its buffer released, so the pusher's push can complete (with
+// the error, or at request_timeout); the round still completes with it when
+// the rank comes back.
+struct ReleaseFlag {
+  std::shared_ptr<bool> released = std::make_shared<bool>(false);
+  std::vector<float> values;
+  ReleaseFlag() = default;
+  ReleaseFlag(ReleaseFlag&& o) noexcept = default;
+  ~ReleaseFlag() {
+    if (released) *released = true;
+  }
+};
+
+Payload lent_gradient(std::vector<float> values, std::shared_ptr<bool>& released) {
+  ReleaseFlag owner;
+  owner.values = std::move(values);
+  released = owner.released;
+  const auto bytes = std::as_writable_bytes(std::span<float>(owner.values));
+  const std::size_t n = owner.values.size();
+  return Payload::adopt(transport::Buffer::adopt(bytes, transport::MemoryLocation{}, std::move(owner)),
+                        0, n);
+}
+
+TEST_F(ShardCoreTest, FailedRankReleasesTheHeldGradientsOfItsRoundAndKeepsThem) {
+  make(opts(3, proto::Consistency::kBsp, proto::LossPolicy::kFail));
+  init(1, {0, 0});
+  std::shared_ptr<bool> released0, released2;
+  core->on_push_pull(req(MsgType::kPushPull, 0, 1, 0, 2), lent_gradient({1, 2}, released0), kT0,
+                     sink);
+  EXPECT_TRUE(sink.take().empty());
+  EXPECT_FALSE(*released0) << "held for the round while every rank is present";
+  core->on_worker_lost(1, kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+  EXPECT_TRUE(*released0) << "the round waits for failed rank 1: rank 0's buffer must go back";
+  // A push into the blocked round after the failure is released at once too.
+  core->on_push(req(MsgType::kPush, 2, 1, 0, 2), lent_gradient({3, 4}, released2), kT0, sink);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_FALSE(s[0].is_error) << s[0].error.to_string();  // accepted: the push's reply
+  EXPECT_TRUE(*released2);
+  // Rank 1 comes back and pushes: the round completes with all three
+  // gradients, none lost: 0 - (1 + 3 + 5) / 3, 0 - (2 + 4 + 6) / 3.
+  core->on_worker_back(1, kT0, sink);
+  push(1, 1, 0, {5, 6});
+  sink.take();
+  EXPECT_EQ(core->stats().rounds_completed, 1u);
+  EXPECT_EQ(params(1, 2), (std::vector<float>{-3, -4}));
+}
+
+TEST_F(ShardCoreTest, LostRankUnderWaitReleasesHeldGradientsAndShrinkNeedsNot) {
+  make(opts(2));  // policy wait
+  init(1, {0});
+  std::shared_ptr<bool> released;
+  core->on_push_pull(req(MsgType::kPushPull, 0, 1, 0, 1), lent_gradient({1}, released), kT0, sink);
+  core->on_worker_lost(1, kT0, sink);
+  EXPECT_TRUE(sink.take().empty()) << "policy wait: the push_pull waits for rank 1";
+  EXPECT_TRUE(*released);
+  core->on_worker_back(1, kT0 + std::chrono::seconds(1), sink);
+  push(1, 1, 0, {3});
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);  // the push's reply, then the push_pull's parameters
+  EXPECT_EQ(s[1].values, std::vector<float>{-2});
+
+  // shrink: the round completes without the lost rank and folds the buffer.
+  make(opts(3, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  init(1, {0});
+  core->on_push_pull(req(MsgType::kPushPull, 0, 1, 0, 1), lent_gradient({1}, released), kT0, sink);
+  push(2, 1, 0, {3});
+  sink.take();
+  EXPECT_FALSE(*released);
+  core->on_worker_lost(1, kT0, sink);
+  EXPECT_TRUE(*released);
+  EXPECT_EQ(core->stats().rounds_completed, 1u);
+}
+
 TEST_F(ShardCoreTest, RankZeroLossFailsWaitingInits) {
   make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kFail));
   const std::uint64_t shape[] = {1};
