@@ -226,6 +226,13 @@ struct Server::Impl final : ReplySink {
   // kConfig when a restored chunk is not one this server owns under the
   // current partition_bytes and server list (see restore_checkpoint).
   Status check_checkpoint_layout(const CheckpointData& d, const std::string& path) const;
+  // An init's chunk (num_chunks, chunk_index, offset, length) must be the
+  // one placement::chunk_plan gives with this server's partition_bytes and
+  // server list, and this server must own it: the store would otherwise
+  // hold a layout that no worker of the job asks for, and that the next
+  // restore refuses (check_checkpoint_layout). kInvalidArgument otherwise.
+  Status check_init_layout(const proto::Header& h,
+                           const std::array<std::uint64_t, proto::kMaxDims>& dims) const;
 
   // ---- transport callbacks (I/O threads) ----
 
@@ -409,6 +416,46 @@ Status Server::Impl::check_checkpoint_layout(const CheckpointData& d, const std:
                         "or another checkpoint_dir to start fresh",
                         path, e.chunk_index, e.key, num_servers, owner, sc.server_index);
     }
+  }
+  return ok_status();
+}
+
+Status Server::Impl::check_init_layout(const proto::Header& h,
+                                       const std::array<std::uint64_t, proto::kMaxDims>& dims) const {
+  const std::uint64_t element_bytes = proto::dtype_bytes(h.dtype);
+  if (element_bytes == 0) return ok_status();  // the shard refuses the dtype itself
+  // The decoder checked the shape: its product is at most kMaxElements.
+  std::uint64_t elements = 1;
+  for (std::uint8_t d = 0; d < h.ndim; ++d) elements *= dims[d];
+  const std::uint64_t bytes = elements * element_bytes;
+  const auto& sc = config.server;
+  const auto num_servers = static_cast<std::uint32_t>(config.cluster.servers.size());
+  const std::uint64_t want_chunks = placement::num_chunks(bytes, element_bytes, sc.partition_bytes);
+  std::uint64_t step = sc.partition_bytes - sc.partition_bytes % element_bytes;
+  if (step == 0) step = element_bytes;
+  const std::uint64_t offset = std::uint64_t{h.chunk_index} * step;
+  const std::uint64_t length = offset < bytes ? std::min(step, bytes - offset) : 0;
+  if (h.num_chunks != want_chunks || h.offset_elements * element_bytes != offset ||
+      h.num_elements * element_bytes != length) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "init of key {} ({} bytes) as chunk {} of {} (elements [{}, +{})) is not "
+                      "this job's layout: [server] partition_bytes = {} cuts it into {} chunk(s){}; "
+                      "every worker and server of a job needs the same partition_bytes (the "
+                      "Ember client computes it: use it, or the same placement::chunk_plan)",
+                      h.key, bytes, h.chunk_index, h.num_chunks, h.offset_elements, h.num_elements,
+                      sc.partition_bytes, want_chunks,
+                      h.num_chunks == want_chunks
+                          ? fmt::format(", chunk {} being elements [{}, +{})", h.chunk_index,
+                                        offset / element_bytes, length / element_bytes)
+                          : std::string());
+  }
+  const std::uint32_t owner = placement::server_of(h.key, h.chunk_index, num_servers);
+  if (owner != sc.server_index) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "init of chunk {} of key {} sent to server {}, but with {} server(s) in "
+                      "[cluster] servers it belongs to server {}; every worker and server of a "
+                      "job needs the same server list",
+                      h.chunk_index, h.key, sc.server_index, num_servers, owner);
   }
   return ok_status();
 }
@@ -917,6 +964,12 @@ void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::He
                             const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload,
                             const std::optional<proto::ReplyPlacement>& placement,
                             std::uint32_t more_in_batch) {
+  if (h.type == proto::MsgType::kInit) {
+    if (Status st = check_init_layout(h, dims); !st) {
+      error(ReplyTo{c.id, channel}, h, st.error());
+      return;
+    }
+  }
   ShardItem item;
   item.kind = ShardItem::Kind::kRequest;
   item.request.to = ReplyTo{c.id, channel};

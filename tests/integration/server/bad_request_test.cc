@@ -220,6 +220,40 @@ TEST_F(BadRequests, ShapeMismatchOnInitAndOnPush) {
   expect_good_worker_served();
 }
 
+// An init whose chunking is not the job's (placement::chunk_plan with the
+// server's partition_bytes) is refused and stores nothing: it used to be
+// stored, checkpointed, and then refused by every restart ("written with
+// another partition_bytes"), taking the job's checkpoints with it.
+TEST_F(BadRequests, InitWithAnotherChunkLayoutIsRefused) {
+  RawClient c(server->address(), 1);
+  const std::uint64_t dims[] = {4};
+  Header half = keyed(MsgType::kInit, 600, 2);  // [4] as 2 chunks of 2: the job has 1
+  half.ndim = 1;
+  half.num_chunks = 2;
+  c.send(half, dims, {1, 2});
+  expect_error(c, ErrorCode::kInvalidArgument, "cuts it into 1 chunk(s)");
+  half.chunk_index = 1;
+  half.offset_elements = 2;
+  c.send(half, dims, {3, 4});
+  expect_error(c, ErrorCode::kInvalidArgument, "partition_bytes");
+  // One chunk of the right count, but not all of the tensor.
+  Header part = keyed(MsgType::kInit, 601, 3);
+  part.ndim = 1;
+  c.send(part, dims, {1, 2, 3});
+  expect_error(c, ErrorCode::kInvalidArgument, "chunk 0 being elements [0, +4)");
+  // A 2^40-element shape sent as one 1-element chunk.
+  const std::uint64_t huge[] = {std::uint64_t{1} << 40};
+  Header tiny = keyed(MsgType::kInit, 602, 1);
+  tiny.ndim = 1;
+  c.send(tiny, huge, {1});
+  expect_error(c, ErrorCode::kInvalidArgument, "key 602");
+  for (const std::uint64_t key : {600, 601, 602}) {
+    c.send(keyed(MsgType::kPull, key, 4));
+    expect_error(c, ErrorCode::kNotFound, fmt::format("key {}", key));
+  }
+  expect_good_worker_served();
+}
+
 TEST_F(BadRequests, DtypeMismatch) {
   RawClient c(server->address(), 1);
   Header push = keyed(MsgType::kPush, 1, 4);
