@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/base/logging.h"
 #include "common/wire/crc32c.h"
@@ -120,6 +121,24 @@ Result<EntrySnapshot> parse_entry(std::span<const std::byte> body, std::size_t i
   }
   e.shape.resize(ndim);
   for (auto& d : e.shape) r.get(d);
+  // The chunk must lie within its tensor (what the writer always produces);
+  // a file that says otherwise is refused here, as corrupt, so that the
+  // loader sets it aside and tries an older one.
+  std::uint64_t total = 1;
+  for (const std::uint64_t d : e.shape) {
+    if (d != 0 && total > proto::kMaxElements / d) {
+      return corrupt(fmt::format("{}: shape {} holds more than {} elements", name,
+                                 fmt::join(e.shape, "x"), proto::kMaxElements));
+    }
+    total *= d;
+  }
+  if (e.num_chunks == 0 || e.chunk_index >= e.num_chunks || e.offset_elements > total ||
+      num_elements > total - e.offset_elements) {
+    return corrupt(fmt::format("{}: chunk {} of {} at elements [{}, +{}) does not fit its shape "
+                               "of {} elements",
+                               name, e.chunk_index, e.num_chunks, e.offset_elements, num_elements,
+                               total));
+  }
   e.clocks.resize(num_clocks);
   for (auto& c : e.clocks) r.get(c);
   std::span<const std::byte> raw;

@@ -400,12 +400,18 @@ Status Server::Impl::check_checkpoint_layout(const CheckpointData& d, const std:
         placement::chunk_plan(e.key, bytes, element_bytes, sc.partition_bytes, num_servers, 1);
     if (e.num_chunks != plan.size() || e.chunk_index >= plan.size() ||
         e.offset_elements * element_bytes != plan[e.chunk_index].offset_bytes) {
+      // (The reader refused chunks outside their tensor already.)
+      const std::string detail =
+          e.num_chunks == plan.size() && e.chunk_index < plan.size()
+              ? fmt::format(" (its chunk {} starts at element {}, not {})", e.chunk_index,
+                            e.offset_elements, plan[e.chunk_index].offset_bytes / element_bytes)
+              : std::string();
       return make_error(ErrorCode::kConfig,
                         "checkpoint '{}' was written with another [server] partition_bytes: it "
                         "cuts key {} ({} bytes) into {} chunk(s), and partition_bytes = {} cuts it "
-                        "into {}; use the partition_bytes the job started with, or another "
+                        "into {}{}; use the partition_bytes the job started with, or another "
                         "checkpoint_dir to start fresh",
-                        path, e.key, bytes, e.num_chunks, sc.partition_bytes, plan.size());
+                        path, e.key, bytes, e.num_chunks, sc.partition_bytes, plan.size(), detail);
     }
     const std::uint32_t owner = plan[e.chunk_index].server;
     if (owner != sc.server_index) {

@@ -136,6 +136,47 @@ TEST(Checkpoint, LoadSkipsTruncatedNewestAndUsesPrevious) {
   std::filesystem::remove_all(dir);
 }
 
+// A file with valid checksums whose entry contradicts itself (a chunk
+// outside its tensor: what a hand-edited or buggy writer could produce) is
+// corrupt like a damaged one: refused with the entry named, and set aside by
+// the loader for the previous checkpoint. It used to pass the reader and
+// stop the server's start instead.
+TEST(Checkpoint, AnEntryOutsideItsShapeIsCorruptAndTheLoaderFallsBack) {
+  struct Case {
+    const char* what;
+    void (*edit)(EntrySnapshot&);
+  };
+  const Case cases[] = {
+      {"chunk index past the count", [](EntrySnapshot& e) { e.chunk_index = 5; }},
+      {"no chunks", [](EntrySnapshot& e) { e.num_chunks = 0; }},
+      {"offset past the tensor", [](EntrySnapshot& e) { e.offset_elements = ~std::uint64_t{0} - 7; }},
+      {"more elements than the shape", [](EntrySnapshot& e) { e.shape = {2}; }},
+      {"shape over the element limit", [](EntrySnapshot& e) { e.shape = {1u << 21, 1u << 21}; }},
+  };
+  for (const Case& c : cases) {
+    CheckpointData d = sample(2);
+    c.edit(d.entries[1]);
+    auto parsed = parse_checkpoint(serialize_checkpoint(d));
+    ASSERT_FALSE(parsed) << c.what;
+    EXPECT_EQ(parsed.error().code(), ErrorCode::kCorrupt) << c.what;
+    EXPECT_NE(parsed.error().message().find("key 101 chunk"), std::string::npos)
+        << c.what << ": " << parsed.error().message();
+  }
+  const auto dir = temp_dir("inconsistent");
+  ASSERT_TRUE(write_checkpoint(dir, sample(1), 5));
+  CheckpointData bad = sample(2);
+  bad.entries[0].chunk_index = 9;
+  ASSERT_TRUE(write_checkpoint(dir, bad, 5));
+  auto loaded = load_newest_checkpoint(dir, 2);
+  ASSERT_TRUE(loaded) << loaded.error().to_string();
+  ASSERT_TRUE(loaded->data);
+  EXPECT_EQ(loaded->data->sequence, 1u);
+  ASSERT_EQ(loaded->refused.size(), 1u);
+  EXPECT_NE(loaded->refused[0].find("does not fit its shape"), std::string::npos) << loaded->refused[0];
+  EXPECT_TRUE(std::filesystem::exists(dir / (checkpoint_file_name(2, 2) + ".corrupt")));
+  std::filesystem::remove_all(dir);
+}
+
 std::vector<std::byte> read_bytes(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
