@@ -691,15 +691,21 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
     by_ptr[conn.get()] = state;
     by_id[state->id] = state;
   };
-  if (peer.role != transport::Role::kWorker || peer.rank >= config.cluster.num_workers) {
+  if (peer.role != transport::Role::kWorker) {
+    // Only workers talk to a server: a peer that says it is a server (or
+    // anything else) is a misdirected process, not a worker with a bad rank.
+    bad_messages->inc();
+    log->warn("refusing {} '{}': its handshake says it is a {}, and ember-server serves only "
+              "workers; servers never connect to each other, so check what runs at that address",
+              transport::role_name(peer.role), peer.address, transport::role_name(peer.role));
+    conn->close();
+    return;
+  }
+  if (peer.rank >= config.cluster.num_workers) {
     bad_messages->inc();
     log->warn("refusing {} '{}' with rank {}: this job has {} worker(s) (cluster.num_workers); "
               "see docs/troubleshooting.md#worker-loss",
               transport::role_name(peer.role), peer.address, peer.rank, config.cluster.num_workers);
-    if (peer.role != transport::Role::kWorker) {
-      conn->close();
-      return;
-    }
     refuse(Error(ErrorCode::kConfig,
                  fmt::format("rank {} is outside this job: it has {} worker(s) (ranks 0 .. {}; "
                              "[cluster] num_workers); give this worker a rank in that range or "

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <thread>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -318,6 +319,42 @@ TEST_F(BadRequests, RankOutsideTheJobIsRefused) {
   ASSERT_TRUE(c.closed());
   expect_good_worker_served();
   EXPECT_NE(server->log().find("refusing worker"), std::string::npos) << server->log();
+}
+
+// A peer whose handshake says it is a server is closed at once, and the log
+// says so, not that its rank is outside the job (it used to).
+TEST_F(BadRequests, APeerThatSaysItIsAServerIsRefusedAsSuch) {
+  transport::Options o;
+  o.kind = transport::Kind::kTcp;
+  o.num_channels = 1;
+  auto t = transport::Transport::create(o);
+  ASSERT_TRUE(t) << t.error().to_string();
+  std::mutex mu;
+  std::condition_variable cv;
+  bool closed = false;
+  transport::Handlers h;
+  h.on_message = [](transport::Connection&, transport::Incoming&&) {};
+  h.on_closed = [&](transport::Connection&, const Error&) {
+    std::lock_guard lock(mu);
+    closed = true;
+    cv.notify_all();
+  };
+  auto c = (*t)->connect(server->address(), {transport::Role::kServer, 0}, h);
+  if (c) {
+    std::unique_lock lock(mu);
+    EXPECT_TRUE(cv.wait_for(lock, 10s, [&] { return closed; })) << "the server kept the connection";
+  }
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server->log().find("serves only workers") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_NE(server->log().find("its handshake says it is a server, and ember-server serves only "
+                               "workers"),
+            std::string::npos)
+      << server->log();
+  EXPECT_EQ(server->log().find("this job has 2 worker(s)"), std::string::npos) << server->log();
+  expect_good_worker_served();
 }
 
 TEST_F(BadRequests, WorkerWithAnotherClusterTableFailsToJoin) {
