@@ -510,7 +510,8 @@ std::vector<Field> build_fields() {
                              "a peer silent this long is dead; > heartbeat_interval",
                              comm(&CommunicationConfig::heartbeat_timeout), hours(24), true));
   f.push_back(size_field("communication", "max_message_size",
-                         "largest message sent or accepted; >= batch_threshold",
+                         "largest message sent or accepted; >= batch_threshold and >= "
+                         "partition_bytes + 128 B",
                          comm(&CommunicationConfig::max_message_bytes), 512, TiB));
   f.push_back(size_field("communication", "max_queued_bytes",
                          "bytes queued for a slow receiver before the sender waits; >= "
@@ -647,6 +648,18 @@ std::vector<CrossRule> build_cross_rules() {
                                     "max_message_size or lower batch_threshold",
                                     size_text(m.max_message_bytes),
                                     size_text(m.batch_threshold_bytes));
+               }});
+  r.push_back({{"communication.max_message_size", "server.partition_bytes"},
+               [](const Config& c) -> Problem {
+                 const std::uint64_t need = c.server.partition_bytes + kMaxMessagePrefixBytes;
+                 if (c.communication.max_message_bytes >= need) return std::nullopt;
+                 return fmt::format("\"{}\" cannot carry one chunk of partition_bytes \"{}\" "
+                                    "(plus its header of up to {} bytes), so a full chunk of a large "
+                                    "tensor could never be sent; raise max_message_size to at "
+                                    "least \"{}\" or lower [server] partition_bytes",
+                                    size_text(c.communication.max_message_bytes),
+                                    size_text(c.server.partition_bytes), kMaxMessagePrefixBytes,
+                                    size_text(need));
                }});
   r.push_back({{"communication.max_queued_bytes", "communication.max_message_size"},
                [](const Config& c) -> Problem {

@@ -431,7 +431,9 @@ TEST(ServerStall, ATimedOutPushIsDoneOnlyOnceItsGradientIsNoLongerRead) {
   // request_timeout well before the worker's heartbeat_timeout, and long
   // enough for the init (32 MiB or more) on a slow (sanitizer) build.
   spec.request_timeout = "3s";
-  spec.partition_bytes = "1GB";
+  // One chunk (the gradient below is the loopback buffers + 16 MiB), within
+  // the default max_message_size of 256 MiB.
+  spec.partition_bytes = "255MB";
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
   config::Config c = worker_config(spec, {server.address()}, 0);
