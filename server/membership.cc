@@ -23,6 +23,7 @@ bool Membership::lost(std::uint32_t rank, TimePoint now) {
     case proto::LossPolicy::kShrink: s.kind = Kind::kExcluded; break;
     case proto::LossPolicy::kFail: s.kind = Kind::kFailed; break;
   }
+  if (s.kind != Kind::kExcluded) ++num_missing_;
   return true;
 }
 
@@ -30,6 +31,7 @@ bool Membership::back(std::uint32_t rank) {
   EMBER_CHECK_MSG(rank < states_.size(), "rank {} of {}", rank, states_.size());
   State& s = states_[rank];
   if (s.kind == Kind::kPresent) return false;
+  if (s.kind != Kind::kExcluded) --num_missing_;
   s.kind = Kind::kPresent;
   return true;
 }

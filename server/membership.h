@@ -52,6 +52,8 @@ class Membership {
   // Requests needing a failed rank get kWorkerLost.
   bool failed(std::uint32_t rank) const noexcept { return states_[rank].kind == Kind::kFailed; }
   bool present(std::uint32_t rank) const noexcept { return states_[rank].kind == Kind::kPresent; }
+  // A rank lost and not excluded: waited for (wait) or failed. O(1).
+  bool any_missing() const noexcept { return num_missing_ > 0; }
   // Number of ranks not excluded.
   std::uint32_t num_required() const noexcept;
 
@@ -67,6 +69,7 @@ class Membership {
   proto::LossPolicy policy_;
   std::chrono::nanoseconds worker_timeout_;
   std::vector<State> states_;
+  std::uint32_t num_missing_ = 0;  // ranks kWaiting or kFailed
 };
 
 }  // namespace ember::server

@@ -399,12 +399,15 @@ Status Server::Impl::check_checkpoint_layout(const CheckpointData& d, const std:
     const auto plan =
         placement::chunk_plan(e.key, bytes, element_bytes, sc.partition_bytes, num_servers, 1);
     if (e.num_chunks != plan.size() || e.chunk_index >= plan.size() ||
-        e.offset_elements * element_bytes != plan[e.chunk_index].offset_bytes) {
+        e.offset_elements * element_bytes != plan[e.chunk_index].offset_bytes ||
+        e.params.size() * element_bytes != plan[e.chunk_index].length_bytes) {
       // (The reader refused chunks outside their tensor already.)
       const std::string detail =
           e.num_chunks == plan.size() && e.chunk_index < plan.size()
-              ? fmt::format(" (its chunk {} starts at element {}, not {})", e.chunk_index,
-                            e.offset_elements, plan[e.chunk_index].offset_bytes / element_bytes)
+              ? fmt::format(" (its chunk {} is elements [{}, +{}), not [{}, +{}))", e.chunk_index,
+                            e.offset_elements, e.params.size(),
+                            plan[e.chunk_index].offset_bytes / element_bytes,
+                            plan[e.chunk_index].length_bytes / element_bytes)
               : std::string();
       return make_error(ErrorCode::kConfig,
                         "checkpoint '{}' was written with another [server] partition_bytes: it "

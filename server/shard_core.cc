@@ -499,6 +499,7 @@ void ShardCore::on_push_pull(const Request& request, Payload gradient, TimePoint
 }
 
 void ShardCore::detach_blocked_rounds(Entry& e) {
+  if (!membership_.any_missing()) return;  // the normal path: nothing to scan
   for (auto& [step, round] : e.rounds) {
     bool blocked = false;
     for (std::uint32_t r = 0; r < options_.num_workers && !blocked; ++r) {

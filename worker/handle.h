@@ -22,11 +22,12 @@
 // reading is declared lost after [communication] heartbeat_timeout, which
 // closes the connection, so such a failure can come up to about
 // heartbeat_timeout after request_timeout. Over shm a bsp server keeps a
-// lent gradient until its round folds, so a push is done only when every
-// rank has pushed that step; a round that waits for a lost rank (failed, or
-// waited for under on_worker_loss = "wait") gives the lent block back at
-// once (the server keeps a copy), so the error reply or request_timeout ends
-// the operation on time.
+// lent gradient until its round folds it (ranks fold in rank order as their
+// pushes arrive: at the latest when every rank has pushed that step); a
+// round that waits for a lost rank (failed, or waited for under
+// on_worker_loss = "wait") gives the lent block back at once (the server
+// keeps a copy), so the error reply or request_timeout ends the operation
+// on time.
 //
 // A stalled server (shm): a large message over shm is read by the server
 // straight from the worker's memory, through the server's own mapping of it,

@@ -174,7 +174,8 @@ struct CommunicationConfig {
   // heartbeat_timeout: a peer silent this long is dead; > heartbeat_interval.
   std::chrono::nanoseconds heartbeat_timeout{std::chrono::seconds(10)};
   // max_message_size: largest message accepted or sent; >= batch_threshold,
-  // and >= [server] partition_bytes + kMaxMessagePrefixBytes (one chunk).
+  // and >= [server] partition_bytes (a large chunk's data travels as a
+  // message of its own, after its header's).
   std::uint64_t max_message_bytes = std::uint64_t{256} << 20;
   // max_queued_bytes: bytes a connection may hold queued for a slow receiver
   // before the sender waits or fails; >= max_message_size.
@@ -322,12 +323,6 @@ HostPort effective_listen(const Config& config);
 // toml11's explanation), and everything parse_config reports.
 // Blocks on file I/O.
 inline constexpr std::size_t kMaxConfigFileBytes = std::size_t{16} << 20;
-
-// The largest request prefix in front of a chunk's elements: the 64-byte
-// message header and up to 8 shape dimensions (proto::kHeaderBytes + 8 *
-// proto::kMaxDims; common/proto/runtime.cc checks that they agree). A
-// message of one whole chunk is partition_bytes plus at most this.
-inline constexpr std::uint64_t kMaxMessagePrefixBytes = 128;
 [[nodiscard]] Result<Config> load_config_file(const std::filesystem::path& path);
 
 // Parses TOML text; source_name is used in messages ("<name>:<line>: ...").

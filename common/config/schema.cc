@@ -511,7 +511,7 @@ std::vector<Field> build_fields() {
                              comm(&CommunicationConfig::heartbeat_timeout), hours(24), true));
   f.push_back(size_field("communication", "max_message_size",
                          "largest message sent or accepted; >= batch_threshold and >= "
-                         "partition_bytes + 128 B",
+                         "partition_bytes",
                          comm(&CommunicationConfig::max_message_bytes), 512, TiB));
   f.push_back(size_field("communication", "max_queued_bytes",
                          "bytes queued for a slow receiver before the sender waits; >= "
@@ -651,15 +651,17 @@ std::vector<CrossRule> build_cross_rules() {
                }});
   r.push_back({{"communication.max_message_size", "server.partition_bytes"},
                [](const Config& c) -> Problem {
-                 const std::uint64_t need = c.server.partition_bytes + kMaxMessagePrefixBytes;
-                 if (c.communication.max_message_bytes >= need) return std::nullopt;
-                 return fmt::format("\"{}\" cannot carry one chunk of partition_bytes \"{}\" "
-                                    "(plus its header of up to {} bytes), so a full chunk of a large "
-                                    "tensor could never be sent; raise max_message_size to at "
-                                    "least \"{}\" or lower [server] partition_bytes",
+                 // A large chunk's data is a message of its own (its header
+                 // goes first, in another): partition_bytes is the largest.
+                 if (c.communication.max_message_bytes >= c.server.partition_bytes) {
+                   return std::nullopt;
+                 }
+                 return fmt::format("\"{}\" is smaller than [server] partition_bytes \"{}\", so "
+                                    "a full chunk of a large tensor could never be sent; raise "
+                                    "max_message_size to at least partition_bytes or lower "
+                                    "partition_bytes",
                                     size_text(c.communication.max_message_bytes),
-                                    size_text(c.server.partition_bytes), kMaxMessagePrefixBytes,
-                                    size_text(need));
+                                    size_text(c.server.partition_bytes));
                }});
   r.push_back({{"communication.max_queued_bytes", "communication.max_message_size"},
                [](const Config& c) -> Problem {

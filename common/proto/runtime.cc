@@ -2,14 +2,9 @@
 #include "common/proto/runtime.h"
 
 #include "common/base/logging.h"
-#include "common/proto/message.h"
 #include "common/transport/options_from_config.h"
 
 namespace ember::proto {
-
-// The config's check of max_message_size against partition_bytes counts
-// the largest prefix this layer puts in front of a chunk.
-static_assert(config::kMaxMessagePrefixBytes == kHeaderBytes + 8 * kMaxDims);
 
 namespace {
 

@@ -433,7 +433,7 @@ TEST(ServerStall, ATimedOutPushIsDoneOnlyOnceItsGradientIsNoLongerRead) {
   spec.request_timeout = "3s";
   // One chunk (the gradient below is the loopback buffers + 16 MiB), within
   // the default max_message_size of 256 MiB.
-  spec.partition_bytes = "255MB";
+  spec.partition_bytes = "256MB";
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
   config::Config c = worker_config(spec, {server.address()}, 0);

@@ -565,14 +565,15 @@ TEST(ConfigErrors, CrossFieldRulesPointAtTheLine) {
                           "\"2KB\"\n"),
               HasSubstr("cfg.toml:2: key 'communication.max_message_size': \"1KB\" is smaller "
                         "than batch_threshold \"2KB\""));
-  // A message must hold one chunk of partition_bytes and its prefix.
-  EXPECT_THAT(parse_error("[communication]\nmax_message_size = \"4MB\"\n"),
-              HasSubstr("cfg.toml:2: key 'communication.max_message_size': \"4MB\" cannot carry "
-                        "one chunk of partition_bytes \"4MB\" (plus its header of up to 128 "
-                        "bytes)"));
+  // A message must hold one chunk's data: partition_bytes.
+  EXPECT_THAT(parse_error("[communication]\nmax_message_size = \"3MB\"\n"),
+              HasSubstr("cfg.toml:2: key 'communication.max_message_size': \"3MB\" is smaller "
+                        "than [server] partition_bytes \"4MB\""));
   EXPECT_THAT(parse_error("[server]\npartition_bytes = \"512MB\"\n"),
-              HasSubstr("raise max_message_size to at least \"536871040B\" or lower [server] "
+              HasSubstr("raise max_message_size to at least partition_bytes or lower "
                         "partition_bytes"));
+  auto equal = parse_config("[communication]\nmax_message_size = \"4MB\"\n", "cfg.toml");
+  EXPECT_TRUE(equal) << equal.error().to_string();
   EXPECT_THAT(parse_error("[communication]\nmax_queued_bytes = \"1MB\"\n"),
               HasSubstr("cfg.toml:2: key 'communication.max_queued_bytes': \"1MB\" cannot hold "
                         "one message of max_message_size \"256MB\""));

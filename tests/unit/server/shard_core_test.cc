@@ -538,6 +538,33 @@ TEST_F(ShardCoreTest, LostRankUnderWaitReleasesHeldGradientsAndShrinkNeedsNot) {
   EXPECT_EQ(core->stats().rounds_completed, 1u);
 }
 
+// any_missing: ranks waited for or failed, not excluded ones; counted
+// through lost, tick (waiting -> failed) and back.
+TEST(Membership, AnyMissingCountsWaitingAndFailedRanks) {
+  using std::chrono::seconds;
+  Membership wait(3, proto::LossPolicy::kWait, seconds(5));
+  EXPECT_FALSE(wait.any_missing());
+  EXPECT_TRUE(wait.lost(1, kT0));
+  EXPECT_FALSE(wait.lost(1, kT0));  // no change, no double count
+  EXPECT_TRUE(wait.lost(2, kT0));
+  EXPECT_TRUE(wait.any_missing());
+  EXPECT_TRUE(wait.tick(kT0 + seconds(10)));  // both fail
+  EXPECT_TRUE(wait.back(1));
+  EXPECT_TRUE(wait.any_missing());
+  EXPECT_TRUE(wait.back(2));
+  EXPECT_FALSE(wait.any_missing());
+  Membership shrink(2, proto::LossPolicy::kShrink, seconds(5));
+  EXPECT_TRUE(shrink.lost(0, kT0));
+  EXPECT_FALSE(shrink.any_missing());
+  EXPECT_TRUE(shrink.back(0));
+  EXPECT_FALSE(shrink.any_missing());
+  Membership fail(2, proto::LossPolicy::kFail, seconds(5));
+  EXPECT_TRUE(fail.lost(0, kT0));
+  EXPECT_TRUE(fail.any_missing());
+  EXPECT_TRUE(fail.back(0));
+  EXPECT_FALSE(fail.any_missing());
+}
+
 TEST_F(ShardCoreTest, RankZeroLossFailsWaitingInits) {
   make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kFail));
   const std::uint64_t shape[] = {1};
