@@ -5,7 +5,6 @@
 #include "common/transport/options_from_config.h"
 
 namespace ember::proto {
-
 namespace {
 
 // Owner of a pool block inside a transport Buffer: freeing it is the release.
