@@ -46,9 +46,6 @@ class Payload {
     size_ = 0;
     is_copy_ = false;
   }
-  // Whether the elements live in this Payload's own heap copy (copy_of, of,
-  // a misaligned adopt, or after detach) rather than in an adopted buffer.
-  bool is_copy() const noexcept { return is_copy_; }
   // Keeps the elements in a heap copy and releases an adopted buffer now:
   // over shm that buffer is the worker's own pool block, which the worker
   // gets back only at its release, so a contribution the shard must keep
@@ -60,7 +57,7 @@ class Payload {
   transport::Buffer owner_;
   const float* data_ = nullptr;
   std::size_t size_ = 0;
-  bool is_copy_ = false;
+  bool is_copy_ = false;  // the elements are this Payload's own heap copy (copy_of)
 };
 
 }  // namespace ember::server

@@ -440,12 +440,14 @@ Status Server::Impl::check_init_layout(const proto::Header& h,
   const auto& sc = config.server;
   const auto num_servers = static_cast<std::uint32_t>(config.cluster.servers.size());
   const std::uint64_t want_chunks = placement::num_chunks(bytes, element_bytes, sc.partition_bytes);
-  std::uint64_t step = sc.partition_bytes - sc.partition_bytes % element_bytes;
-  if (step == 0) step = element_bytes;
-  const std::uint64_t offset = std::uint64_t{h.chunk_index} * step;
-  const std::uint64_t length = offset < bytes ? std::min(step, bytes - offset) : 0;
-  if (h.num_chunks != want_chunks || h.offset_elements * element_bytes != offset ||
-      h.num_elements * element_bytes != length) {
+  // The decoder checked chunk_index < num_chunks; compare the counts first.
+  const placement::Chunk want =
+      h.num_chunks == want_chunks
+          ? placement::chunk_at(h.key, bytes, element_bytes, sc.partition_bytes, h.chunk_index,
+                                num_servers, 1)
+          : placement::Chunk{};
+  if (h.num_chunks != want_chunks || h.offset_elements * element_bytes != want.offset_bytes ||
+      h.num_elements * element_bytes != want.length_bytes) {
     return make_error(ErrorCode::kInvalidArgument,
                       "init of key {} ({} bytes) as chunk {} of {} (elements [{}, +{})) is not "
                       "this job's layout: [server] partition_bytes = {} cuts it into {} chunk(s){}; "
@@ -455,10 +457,11 @@ Status Server::Impl::check_init_layout(const proto::Header& h,
                       sc.partition_bytes, want_chunks,
                       h.num_chunks == want_chunks
                           ? fmt::format(", chunk {} being elements [{}, +{})", h.chunk_index,
-                                        offset / element_bytes, length / element_bytes)
+                                        want.offset_bytes / element_bytes,
+                                        want.length_bytes / element_bytes)
                           : std::string());
   }
-  const std::uint32_t owner = placement::server_of(h.key, h.chunk_index, num_servers);
+  const std::uint32_t owner = want.server;
   if (owner != sc.server_index) {
     return make_error(ErrorCode::kInvalidArgument,
                       "init of chunk {} of key {} sent to server {}, but with {} server(s) in "

@@ -72,6 +72,13 @@ std::vector<Chunk> chunk_plan(std::uint64_t key, std::uint64_t tensor_bytes,
                               std::uint64_t element_bytes, std::uint64_t partition_bytes,
                               std::uint32_t num_servers, std::uint32_t num_channels);
 
+// Chunk `index` of chunk_plan's result, computed alone (no allocation,
+// whatever the tensor's size). pre: as chunk_plan's, and
+// index < num_chunks(tensor_bytes, element_bytes, partition_bytes).
+Chunk chunk_at(std::uint64_t key, std::uint64_t tensor_bytes, std::uint64_t element_bytes,
+               std::uint64_t partition_bytes, std::uint32_t index, std::uint32_t num_servers,
+               std::uint32_t num_channels);
+
 // Number of chunks chunk_plan would return.
 EMBER_HOST_DEVICE constexpr std::uint64_t num_chunks(std::uint64_t tensor_bytes,
                                                      std::uint64_t element_bytes,

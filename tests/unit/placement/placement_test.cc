@@ -55,5 +55,19 @@ TEST(Placement, MapIsStable) {
   static_assert(mix64(1) != mix64(2));
 }
 
+TEST(Placement, ChunkAtIsChunkPlansEntry) {
+  for (const std::uint64_t bytes : {std::uint64_t{0}, std::uint64_t{4}, std::uint64_t{4096},
+                                    std::uint64_t{10'000'004}}) {
+    const auto plan = chunk_plan(77, bytes, 4, 1'000'002, 3, 2);
+    for (const Chunk& c : plan) {
+      const Chunk a = chunk_at(77, bytes, 4, 1'000'002, c.index, 3, 2);
+      EXPECT_EQ(a.offset_bytes, c.offset_bytes) << bytes << " " << c.index;
+      EXPECT_EQ(a.length_bytes, c.length_bytes) << bytes << " " << c.index;
+      EXPECT_EQ(a.server, c.server);
+      EXPECT_EQ(a.channel, c.channel);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ember::placement
