@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -293,6 +294,12 @@ Result<CheckpointData> parse_checkpoint(std::span<const std::byte> bytes) {
   }
   d.optimizer = static_cast<config::OptimizerType>(opt);
   d.consistency = static_cast<proto::Consistency>(consistency);
+  // The writer records the rate in force, which Optimizer::set_learning_rate
+  // keeps finite and > 0: anything else was not written by a server.
+  if (!std::isfinite(d.learning_rate) || d.learning_rate <= 0.0) {
+    return corrupt(fmt::format("learning rate {} in the file header (a server writes a finite rate > 0)",
+                               d.learning_rate));
+  }
   // Each record takes at least 12 + 64 bytes: bound the count before reserving.
   if (num_entries > r.left() / (12 + kEntryHeaderBytes)) {
     return corrupt(fmt::format("truncated: header announces {} entries but only {} bytes follow",

@@ -523,14 +523,18 @@ Status Server::Impl::restore_checkpoint() {
       return tl::unexpected(err);
     }
   }
+  // The reader refused a rate that is not finite and > 0, so this holds;
+  // should a shard refuse it anyway, the log names the rate in force.
+  double rate_in_force = d.learning_rate;
   for (auto& s : shards) {
     if (Status st = s->set_learning_rate(d.learning_rate); !st) {
       log->warn("checkpoint learning rate {} refused ({}); keeping the configured rate",
                 d.learning_rate, st.error().message());
+      rate_in_force = config.optimizer.learning_rate;
     }
   }
   log->info("restored checkpoint '{}': sequence {}, {} tensor chunk(s), learning rate {}",
-            loaded.path.string(), d.sequence, n, d.learning_rate);
+            loaded.path.string(), d.sequence, n, rate_in_force);
   return ok_status();
 }
 

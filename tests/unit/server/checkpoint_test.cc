@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <span>
 #include <random>
 
@@ -55,6 +56,7 @@ TEST(Checkpoint, RoundTripsEveryField) {
 TEST(Checkpoint, EmptyCheckpointRoundTrips) {
   CheckpointData d;
   d.sequence = 1;
+  d.learning_rate = 0.5;  // a server always writes a rate > 0
   auto parsed = parse_checkpoint(serialize_checkpoint(d));
   ASSERT_TRUE(parsed);
   EXPECT_EQ(*parsed, d);
@@ -174,6 +176,35 @@ TEST(Checkpoint, AnEntryOutsideItsShapeIsCorruptAndTheLoaderFallsBack) {
   ASSERT_EQ(loaded->refused.size(), 1u);
   EXPECT_NE(loaded->refused[0].find("does not fit its shape"), std::string::npos) << loaded->refused[0];
   EXPECT_TRUE(std::filesystem::exists(dir / (checkpoint_file_name(2, 2) + ".corrupt")));
+  std::filesystem::remove_all(dir);
+}
+
+// A header whose checksum holds but whose learning rate no server writes
+// (set_learning_rate keeps it finite and > 0) is refused as corrupt, so the
+// loader restores the previous checkpoint instead of a NaN rate.
+TEST(Checkpoint, ALearningRateNoServerWritesIsCorruptAndTheLoaderFallsBack) {
+  for (const double lr : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
+                          0.0, -0.1}) {
+    CheckpointData d = sample(2);
+    d.learning_rate = lr;
+    auto parsed = parse_checkpoint(serialize_checkpoint(d));
+    ASSERT_FALSE(parsed) << lr;
+    EXPECT_EQ(parsed.error().code(), ErrorCode::kCorrupt) << lr;
+    EXPECT_NE(parsed.error().message().find("learning rate"), std::string::npos)
+        << lr << ": " << parsed.error().message();
+  }
+  const auto dir = temp_dir("bad-rate");
+  ASSERT_TRUE(write_checkpoint(dir, sample(1), 5));
+  CheckpointData bad = sample(2);
+  bad.learning_rate = std::numeric_limits<double>::quiet_NaN();
+  ASSERT_TRUE(write_checkpoint(dir, bad, 5));
+  auto loaded = load_newest_checkpoint(dir, 2);
+  ASSERT_TRUE(loaded) << loaded.error().to_string();
+  ASSERT_TRUE(loaded->data);
+  EXPECT_EQ(loaded->data->sequence, 1u);
+  EXPECT_EQ(loaded->data->learning_rate, 0.001);
+  ASSERT_EQ(loaded->refused.size(), 1u);
+  EXPECT_NE(loaded->refused[0].find("learning rate nan"), std::string::npos) << loaded->refused[0];
   std::filesystem::remove_all(dir);
 }
 
