@@ -383,6 +383,45 @@ void Server::Impl::make_metrics() {
                                       {{"type", "other"}});
 }
 
+namespace {
+
+// How a chunk that a peer's init or a checkpoint entry describes compares
+// with the chunk this job's layout (placement::chunk_plan with the server's
+// partition_bytes and server list) puts at its index. Computes that one chunk
+// alone (placement::chunk_at), whatever the tensor's size.
+struct LayoutComparison {
+  std::uint64_t num_chunks = 0;  // chunks the layout cuts the tensor into
+  bool same_count = false;       // the described count is num_chunks and its index < num_chunks
+  placement::Chunk chunk;        // the layout's chunk at the index; set when same_count
+  bool matches = false;          // same_count, and the offset and length agree
+
+  // ", chunk i being elements [o, +n)" when same_count, else "".
+  std::string expected_chunk_text(std::uint32_t index, std::uint64_t element_bytes) const {
+    return same_count ? fmt::format(", chunk {} being elements [{}, +{})", index,
+                                    chunk.offset_bytes / element_bytes, chunk.length_bytes / element_bytes)
+                      : std::string();
+  }
+};
+
+// pre: element_bytes > 0, partition_bytes > 0, num_servers > 0, and
+// elements * element_bytes does not overflow (shapes are bounded by
+// proto::kMaxElements, checked by the decoder and the checkpoint reader).
+LayoutComparison compare_with_layout(std::uint64_t key, std::uint64_t bytes, std::uint64_t element_bytes,
+                                     std::uint64_t partition_bytes, std::uint32_t num_servers,
+                                     std::uint64_t num_chunks, std::uint32_t index,
+                                     std::uint64_t offset_elements, std::uint64_t length_elements) {
+  LayoutComparison c;
+  c.num_chunks = placement::num_chunks(bytes, element_bytes, partition_bytes);
+  c.same_count = num_chunks == c.num_chunks && index < c.num_chunks;
+  if (!c.same_count) return c;
+  c.chunk = placement::chunk_at(key, bytes, element_bytes, partition_bytes, index, num_servers, 1);
+  c.matches = offset_elements * element_bytes == c.chunk.offset_bytes &&
+              length_elements * element_bytes == c.chunk.length_bytes;
+  return c;
+}
+
+}  // namespace
+
 Status Server::Impl::check_checkpoint_layout(const CheckpointData& d, const std::string& path) const {
   // Every chunk must be one that this server, with this partition_bytes and
   // server list, owns: otherwise the workers' chunks (placement::chunk_plan)
@@ -396,34 +435,27 @@ Status Server::Impl::check_checkpoint_layout(const CheckpointData& d, const std:
     const std::uint64_t element_bytes = proto::dtype_bytes(e.dtype);
     if (element_bytes == 0) continue;  // the checkpoint reader refuses such entries
     const std::uint64_t bytes = elements * element_bytes;
-    const auto plan =
-        placement::chunk_plan(e.key, bytes, element_bytes, sc.partition_bytes, num_servers, 1);
-    if (e.num_chunks != plan.size() || e.chunk_index >= plan.size() ||
-        e.offset_elements * element_bytes != plan[e.chunk_index].offset_bytes ||
-        e.params.size() * element_bytes != plan[e.chunk_index].length_bytes) {
-      // (The reader refused chunks outside their tensor already.)
-      const std::string detail =
-          e.num_chunks == plan.size() && e.chunk_index < plan.size()
-              ? fmt::format(" (its chunk {} is elements [{}, +{}), not [{}, +{}))", e.chunk_index,
-                            e.offset_elements, e.params.size(),
-                            plan[e.chunk_index].offset_bytes / element_bytes,
-                            plan[e.chunk_index].length_bytes / element_bytes)
-              : std::string();
+    // (The reader refused chunks outside their tensor already.)
+    const LayoutComparison want =
+        compare_with_layout(e.key, bytes, element_bytes, sc.partition_bytes, num_servers, e.num_chunks,
+                            e.chunk_index, e.offset_elements, e.params.size());
+    if (!want.matches) {
       return make_error(ErrorCode::kConfig,
                         "checkpoint '{}' was written with another [server] partition_bytes: it "
-                        "cuts key {} ({} bytes) into {} chunk(s), and partition_bytes = {} cuts it "
-                        "into {}{}; use the partition_bytes the job started with, or another "
-                        "checkpoint_dir to start fresh",
-                        path, e.key, bytes, e.num_chunks, sc.partition_bytes, plan.size(), detail);
+                        "holds key {} ({} bytes) as chunk {} of {} (elements [{}, +{})), and "
+                        "partition_bytes = {} cuts it into {} chunk(s){}; use the partition_bytes "
+                        "the job started with, or another checkpoint_dir to start fresh",
+                        path, e.key, bytes, e.chunk_index, e.num_chunks, e.offset_elements,
+                        e.params.size(), sc.partition_bytes, want.num_chunks,
+                        want.expected_chunk_text(e.chunk_index, element_bytes));
     }
-    const std::uint32_t owner = plan[e.chunk_index].server;
-    if (owner != sc.server_index) {
+    if (want.chunk.server != sc.server_index) {
       return make_error(ErrorCode::kConfig,
                         "checkpoint '{}' holds chunk {} of key {}, which with {} server(s) in "
                         "[cluster] servers belongs to server {}, not to this server {}: it was "
                         "written by a job with another server list; use the job's server list, "
                         "or another checkpoint_dir to start fresh",
-                        path, e.chunk_index, e.key, num_servers, owner, sc.server_index);
+                        path, e.chunk_index, e.key, num_servers, want.chunk.server, sc.server_index);
     }
   }
   return ok_status();
@@ -439,35 +471,25 @@ Status Server::Impl::check_init_layout(const proto::Header& h,
   const std::uint64_t bytes = elements * element_bytes;
   const auto& sc = config.server;
   const auto num_servers = static_cast<std::uint32_t>(config.cluster.servers.size());
-  const std::uint64_t want_chunks = placement::num_chunks(bytes, element_bytes, sc.partition_bytes);
-  // The decoder checked chunk_index < num_chunks; compare the counts first.
-  const placement::Chunk want =
-      h.num_chunks == want_chunks
-          ? placement::chunk_at(h.key, bytes, element_bytes, sc.partition_bytes, h.chunk_index,
-                                num_servers, 1)
-          : placement::Chunk{};
-  if (h.num_chunks != want_chunks || h.offset_elements * element_bytes != want.offset_bytes ||
-      h.num_elements * element_bytes != want.length_bytes) {
+  const LayoutComparison want =
+      compare_with_layout(h.key, bytes, element_bytes, sc.partition_bytes, num_servers, h.num_chunks,
+                          h.chunk_index, h.offset_elements, h.num_elements);
+  if (!want.matches) {
     return make_error(ErrorCode::kInvalidArgument,
                       "init of key {} ({} bytes) as chunk {} of {} (elements [{}, +{})) is not "
                       "this job's layout: [server] partition_bytes = {} cuts it into {} chunk(s){}; "
                       "every worker and server of a job needs the same partition_bytes (the "
                       "Ember client computes it: use it, or the same placement::chunk_plan)",
                       h.key, bytes, h.chunk_index, h.num_chunks, h.offset_elements, h.num_elements,
-                      sc.partition_bytes, want_chunks,
-                      h.num_chunks == want_chunks
-                          ? fmt::format(", chunk {} being elements [{}, +{})", h.chunk_index,
-                                        want.offset_bytes / element_bytes,
-                                        want.length_bytes / element_bytes)
-                          : std::string());
+                      sc.partition_bytes, want.num_chunks,
+                      want.expected_chunk_text(h.chunk_index, element_bytes));
   }
-  const std::uint32_t owner = want.server;
-  if (owner != sc.server_index) {
+  if (want.chunk.server != sc.server_index) {
     return make_error(ErrorCode::kInvalidArgument,
                       "init of chunk {} of key {} sent to server {}, but with {} server(s) in "
                       "[cluster] servers it belongs to server {}; every worker and server of a "
                       "job needs the same server list",
-                      h.chunk_index, h.key, sc.server_index, num_servers, owner);
+                      h.chunk_index, h.key, sc.server_index, num_servers, want.chunk.server);
   }
   return ok_status();
 }

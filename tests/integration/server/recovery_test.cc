@@ -280,7 +280,7 @@ TEST(ServerRecovery, CheckpointOfAnotherPartitionOrServerListIsRefusedAtStart) {
   };
   ClusterSpec wider = spec;
   wider.partition_bytes = "8KB";
-  expect_refused(wider, "was written with another [server] partition_bytes: it cuts key");
+  expect_refused(wider, "was written with another [server] partition_bytes: it holds key");
   ClusterSpec two = spec;
   two.num_servers = 2;
   expect_refused(two, "written by a job with another server list");
