@@ -351,7 +351,8 @@ Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& dir,
   }
   const std::filesystem::path final_path =
       dir / checkpoint_file_name(data.server_index, data.sequence);
-  const std::filesystem::path tmp_path = dir / ("." + final_path.filename().string() + ".tmp");
+  // (fmt, not "." + string: GCC 12's -Wrestrict misfires on that at -O2.)
+  const std::filesystem::path tmp_path = dir / fmt::format(".{}.tmp", final_path.filename().string());
   const std::vector<std::byte> image = serialize_checkpoint(data);
 
   const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
