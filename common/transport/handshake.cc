@@ -134,10 +134,17 @@ Result<Reply> decode_reply(std::span<const std::byte> bytes) {
   }
   Reply r;
   r.version = get<std::uint16_t>(bytes, 4);
-  r.status = static_cast<ErrorCode>(get<std::uint16_t>(bytes, 8));
+  const auto status = get<std::uint16_t>(bytes, 8);
+  if (status > static_cast<std::uint16_t>(kLastErrorCode)) {
+    return make_error(ErrorCode::kProtocol, "handshake: unknown status {} in reply", status);
+  }
+  r.status = static_cast<ErrorCode>(status);
   const auto role = get<std::uint8_t>(bytes, 10);
   if (!valid_role(role)) {
     return make_error(ErrorCode::kProtocol, "handshake: unknown role {} in reply", role);
+  }
+  if (get<std::uint8_t>(bytes, 11) != 0 || get<std::uint32_t>(bytes, 20) != 0) {
+    return make_error(ErrorCode::kProtocol, "handshake: reserved reply bytes 11 and 20..23 are not zero");
   }
   r.role = static_cast<Role>(role);
   r.rank = get<std::uint32_t>(bytes, 12);

@@ -92,9 +92,9 @@ Result<std::size_t> hello_bytes_missing(std::span<const std::byte> prefix);
 Result<std::size_t> reply_bytes_missing(std::span<const std::byte> prefix);
 
 // Decodes a complete Hello/Reply. Errors: kProtocol (bad magic, unknown
-// role/kind, non-zero reserved bytes, channel >= num_channels, zero
-// channels, length mismatch). A different version is NOT an error here:
-// check_hello decides.
+// role/kind, a Reply status above kLastErrorCode, non-zero reserved bytes,
+// channel >= num_channels, zero channels, length mismatch). A different
+// version is NOT an error here: check_hello decides.
 Result<Hello> decode_hello(std::span<const std::byte> bytes);
 Result<Reply> decode_reply(std::span<const std::byte> bytes);
 

@@ -83,6 +83,28 @@ TEST(Handshake, MalformedHellosAreProtocolErrors) {
   EXPECT_FALSE(handshake::decode_hello(bad));
 }
 
+TEST(Handshake, MalformedRepliesAreProtocolErrors) {
+  handshake::Reply r;
+  r.text = "ok";
+  const auto bytes = handshake::encode(r);
+  ASSERT_TRUE(handshake::decode_reply(bytes));
+  struct Case {
+    std::size_t at;
+    std::byte value;
+    const char* what;
+  };
+  for (const Case c : {Case{8, std::byte{0xFF}, "unknown status"}, Case{10, std::byte{7}, "unknown role"},
+                       Case{11, std::byte{1}, "reserved reply bytes"},
+                       Case{22, std::byte{1}, "reserved reply bytes"}}) {
+    auto bad = bytes;
+    bad[c.at] = c.value;
+    const auto d = handshake::decode_reply(bad);
+    ASSERT_FALSE(d) << c.what;
+    EXPECT_EQ(d.error().code(), ErrorCode::kProtocol) << c.what;
+    EXPECT_NE(d.error().message().find(c.what), std::string::npos) << d.error().message();
+  }
+}
+
 TEST(Handshake, CheckHelloNamesTheProblem) {
   handshake::Expectations e;
   e.kind = Kind::kTcp;
