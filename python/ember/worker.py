@@ -222,29 +222,40 @@ class Future:
         self._keep = keep  # arrays the operation uses, alive until done
         self._lock = threading.Lock()
         self._finished = False
+        self._waiters = 0  # threads inside ember_wait on _request
         self._error = None
         self._step = None
         native.add_pending(self)
 
     def _poll(self, timeout_ms):
-        """Waits up to timeout_ms (-1: until done); True when done."""
+        """Waits up to timeout_ms (-1: until done); True when done. Several
+        threads may wait at once: the native request is freed by the last
+        one to leave ember_wait after it finished, never under another."""
         with self._lock:
             if self._finished:
                 return True
             req = self._request
+            self._waiters += 1
         step = ctypes.c_uint64(0)
-        rc = lib.ember_wait(req, timeout_ms, ctypes.byref(step))
+        rc = _native.PENDING  # if the wait itself raises (KeyboardInterrupt)
+        try:
+            rc = lib.ember_wait(req, timeout_ms, ctypes.byref(step))
+            error = None
+            if rc not in (_native.PENDING, _native.OK):
+                error = EmberError(rc, _native.last_error())
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                if rc != _native.PENDING and not self._finished:
+                    self._finished = True
+                    self._error = error
+                    self._step = step.value if rc == _native.OK else None
+                    self._keep = None
+                if self._finished and self._waiters == 0 and self._request is not None:
+                    lib.ember_request_free(self._request)
+                    self._request = None
         if rc == _native.PENDING:
             return False
-        error = None if rc == _native.OK else EmberError(rc, _native.last_error())
-        with self._lock:
-            if not self._finished:
-                self._finished = True
-                self._error = error
-                self._step = step.value if rc == _native.OK else None
-                lib.ember_request_free(self._request)
-                self._request = None
-                self._keep = None
         self._native.remove_pending(self)
         return True
 

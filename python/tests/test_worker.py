@@ -150,3 +150,22 @@ def test_threads_share_one_worker(server):
         for t in threads:
             t.join()
         assert not errors, errors
+
+
+def test_one_future_waited_on_from_two_threads(server):
+    # result() in one thread while another polls done(): whichever sees the
+    # request finish first must not free it under the other's ember_wait
+    # (this crashed the interpreter before the Future counted its waiters).
+    with ember.Worker(server.config_path, rank=0) as w:
+        w.init(7, values=np.zeros(12, np.float32))
+        g = np.zeros(12, np.float32)
+        for _ in range(300):
+            f = w.push_pull_async(7, g)
+            results = []
+            t = threading.Thread(target=lambda: results.append(f.result()))
+            t.start()
+            while not f.done():
+                pass
+            t.join()
+            assert len(results) == 1 and results[0].shape == (12,)
+            assert f.result() is results[0]
