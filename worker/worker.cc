@@ -210,6 +210,11 @@ struct KeyState {
   std::vector<placement::Chunk> chunks;
   std::string servers;  // the chunks' servers, for error texts: "0, 2"
   std::atomic<std::uint64_t> next_step{0};
+  // Pushes (and push_pulls) of this key issued and not yet done: queued in a
+  // pipeline, in flight, or waiting for a reply. A pull refused out of step
+  // while some are unanswered overtook this worker's own pushes (a direct
+  // pull beside an unflushed pipeline): its step is not reset then.
+  std::atomic<std::uint32_t> pushes_unanswered{0};
 };
 
 // One request ready to go to a server channel.
@@ -1096,10 +1101,23 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
     const std::string_view text(reinterpret_cast<const char*>(payload.data()), payload.size());
     if (h.status == ErrorCode::kOutOfStep) {
       // The reply's step is the step the server expects; the operation's
-      // before_done moves the key's step there. Named like a timeout.
+      // on_out_of_step moves the key's step there. Named like a timeout.
       const std::string what = op.what();
-      op.fail_out_of_step(Error(h.status, fmt::format("{}{}server {}: {}", what,
-                                                      what.empty() ? "" : ": ", server, text)),
+      std::string hint;
+      if (h.type == proto::MsgType::kPull) {
+        const auto ks = key_state(h.key);
+        const std::uint32_t unanswered =
+            ks ? ks->pushes_unanswered.load(std::memory_order_acquire) : 0;
+        if (unanswered != 0) {
+          hint = fmt::format(
+              "; this worker has {} push(es) of key {} not yet answered (queued in a pipeline "
+              "that was not flushed?): the pull overtook them. Its step stays {}: flush or wait "
+              "for those pushes, then pull again",
+              unanswered, h.key, ks->next_step.load(std::memory_order_acquire));
+        }
+      }
+      op.fail_out_of_step(Error(h.status, fmt::format("{}{}server {}: {}{}", what,
+                                                      what.empty() ? "" : ": ", server, text, hint)),
                           h.step);
       return;
     }
@@ -1498,15 +1516,23 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
   KeyState* const k = ks.get();
   op->context = ks;
   // kOutOfStep: the server is at another step for this key (restored from
-  // an older checkpoint); the caller continues from there.
-  op->on_out_of_step = [k](std::uint64_t server_step) {
+  // an older checkpoint); the caller continues from there. Not for a pull
+  // that overtook this worker's own unanswered pushes of the key: those are
+  // on their way (or queued), and resetting the step under them would make
+  // the next push reuse a step the server then applies (and drops) as a
+  // duplicate.
+  op->on_out_of_step = [k, sends](std::uint64_t server_step) {
+    if (!sends && k->pushes_unanswered.load(std::memory_order_acquire) != 0) return;
     k->next_step.store(server_step, std::memory_order_release);
   };
-  if (sends && !step) {
-    op->before_done = [k, s](const Result<std::uint64_t>& r) {
+  if (sends) {
+    k->pushes_unanswered.fetch_add(1, std::memory_order_acq_rel);
+    const bool counted_step = !step;
+    op->before_done = [k, s, counted_step](const Result<std::uint64_t>& r) {
+      k->pushes_unanswered.fetch_sub(1, std::memory_order_acq_rel);
       // A push refused out of step does not give its step back: the counter
-      // was reset to the server's step.
-      if (r || r.error().code() == ErrorCode::kOutOfStep) return;
+      // was reset to the server's step. Nor does a push with an explicit step.
+      if (!counted_step || r || r.error().code() == ErrorCode::kOutOfStep) return;
       // A failed push gives its step back (when no later one was issued), so
       // the caller's retry pushes the same step: the server applies a step
       // once per (worker, key, step), so a retry of a push it did apply is

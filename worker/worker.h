@@ -94,7 +94,9 @@
 // after another returned is sent after it; two concurrent pushes of one key
 // may reach the server out of step and be refused with kOutOfStep), and do
 // not mix pipelined and direct requests of one key before a flush (a direct
-// one overtakes those still queued).
+// one overtakes those still queued; a bsp/ssp pull that so overtakes this
+// worker's own pushes of the key is refused with kOutOfStep, its message
+// says so, and step(key) stays as it is, so no push is lost).
 //
 // When a push is done. Over shm a gradient in pool memory larger than a
 // batch is not copied: the server reads it in place and gives the block back

@@ -493,6 +493,40 @@ TEST(WorkerClient, AsioCompletionTokens) {
   EXPECT_EQ(out, (std::vector<float>{0, 1, 2, 3}));
 }
 
+// A direct pull that overtakes this worker's own push still queued in a
+// pipeline is refused out of step (bsp: its round needs that push), and the
+// key's step stays: the queued push, then later pushes, are each applied
+// once. (The step used to be reset under the queued push, so the next push
+// reused its step and the server dropped it as a duplicate: a lost gradient.)
+TEST(WorkerClient, APullThatOvertakesAQueuedPushKeepsTheStepAndLosesNoPush) {
+  LocalServer s(base_config(1));  // sgd, learning rate 1
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+  const std::vector<float> g(4, 1.0f);
+  std::vector<float> out(4);
+  {
+    Pipeline pipe = w->pipeline();
+    pipe.enqueue(1, g);  // step 0, not sent yet
+    EXPECT_EQ(w->step(1), 1u);
+    auto pulled = w->pull(1, out).wait();
+    ASSERT_FALSE(pulled);
+    EXPECT_EQ(pulled.error().code(), ErrorCode::kOutOfStep);
+    EXPECT_NE(pulled.error().message().find("not yet answered"), std::string::npos)
+        << pulled.error().message();
+    EXPECT_EQ(w->step(1), 1u);
+    ASSERT_TRUE(pipe.wait());
+  }
+  auto a = w->push(1, g).wait();
+  ASSERT_TRUE(a) << a.error().to_string();
+  EXPECT_EQ(*a, 1u);
+  ASSERT_TRUE(w->push(1, g).wait());
+  auto r = w->pull(1, out).wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_EQ(*r, 3u);
+  EXPECT_EQ(out, (std::vector<float>{-2, -1, 0, 1}));  // three steps of -1
+}
+
 TEST(WorkerClient, PipelineFromManyThreads) {
   LocalServer s(base_config(1));
   auto w = s.worker(0);
