@@ -1981,6 +1981,8 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       core_->io_object_removed();
       if (!address_.empty() && address_[0] != '@') ::unlink(address_.c_str());
     }
+    if (accept_retry_) accept_retry_->cancel();
+    accept_retry_.reset();
     auto pending = pending_;
     for (auto& p : pending) drop(p);
   }
@@ -2000,12 +2002,41 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       const int fd = ::accept4(acceptor_->native_handle(), nullptr, nullptr,
                                SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        arm_accept();  // EAGAIN, or a transient error (EMFILE): try again later
+        const int err = errno;
+        if (err == EINTR || err == ECONNABORTED) continue;
+        if (err == EAGAIN || err == EWOULDBLOCK) {
+          arm_accept();
+          return;
+        }
+        accept_later(err);
         return;
+      }
+      if (accept_failing_) {
+        accept_failing_ = false;
+        shm_log()->info("listener {}: accepting connections again", address_);
       }
       begin(fd);
     }
+  }
+
+  // After a failed accept (EMFILE/ENFILE when descriptors run out, ENOBUFS,
+  // ...) the connection stays in the backlog and the socket stays readable,
+  // so waiting for readability would spin on the same error: wait
+  // kAcceptRetry instead, logging once per episode.
+  static constexpr auto kAcceptRetry = std::chrono::milliseconds(100);
+  void accept_later(int err) {
+    if (!accept_failing_) {
+      accept_failing_ = true;
+      shm_log()->warn("listener {}: cannot accept a connection ({}); retrying every {} ms until it "
+                      "can (out of file descriptors? raise LimitNOFILE / ulimit -n)",
+                      address_, std::strerror(err), kAcceptRetry.count());
+    }
+    if (!accept_retry_) accept_retry_ = std::make_unique<asio::steady_timer>(ctx_);
+    accept_retry_->expires_after(kAcceptRetry);
+    auto self = shared_from_this();
+    accept_retry_->async_wait([self](const boost::system::error_code& e) {
+      if (!e && !self->closed_) self->accept_ready();
+    });
   }
 
   void begin(int fd) {
@@ -2179,6 +2210,8 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   std::vector<std::shared_ptr<Pending>> pending_;
   std::atomic<std::uint64_t> refused_{0};
   bool closed_ = false;
+  std::unique_ptr<asio::steady_timer> accept_retry_;  // I/O thread; see accept_later
+  bool accept_failing_ = false;                        // an accept error was logged
 };
 
 // ---------------------------------------------------------------------------

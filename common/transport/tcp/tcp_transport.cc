@@ -1151,6 +1151,8 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       acceptor_.reset();
       core_->io_object_removed();
     }
+    if (accept_retry_) accept_retry_->cancel();
+    accept_retry_.reset();
     for (auto& p : pending_) {
       if (p->timer) p->timer->cancel();
       p->timer.reset();
@@ -1170,10 +1172,37 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
     if (closed_ || !acceptor_) return;
     auto self = shared_from_this();
     acceptor_->async_accept([self](const boost::system::error_code& ec, tcp::socket socket) {
-      if (self->closed_) return;
-      if (!ec) self->begin_handshake(std::move(socket));
-      if (ec == asio::error::operation_aborted) return;
+      if (self->closed_ || ec == asio::error::operation_aborted) return;
+      if (ec) {
+        self->accept_later(ec);
+        return;
+      }
+      if (self->accept_failing_) {
+        self->accept_failing_ = false;
+        tcp_log()->info("listener {}: accepting connections again", self->address_);
+      }
+      self->begin_handshake(std::move(socket));
       self->accept_next();
+    });
+  }
+
+  // After a failed accept (EMFILE/ENFILE when descriptors run out, ENOBUFS,
+  // ...) the connection stays in the listen backlog, so accepting again at
+  // once would spin on the same error: wait kAcceptRetry, logging once per
+  // episode. Workers' connects wait in the backlog (up to connect_timeout).
+  static constexpr auto kAcceptRetry = std::chrono::milliseconds(100);
+  void accept_later(const boost::system::error_code& ec) {
+    if (!accept_failing_) {
+      accept_failing_ = true;
+      tcp_log()->warn("listener {}: cannot accept a connection ({}); retrying every {} ms until it "
+                      "can (out of file descriptors? raise LimitNOFILE / ulimit -n)",
+                      address_, ec.message(), kAcceptRetry.count());
+    }
+    if (!accept_retry_) accept_retry_ = std::make_unique<asio::steady_timer>(ctx_);
+    accept_retry_->expires_after(kAcceptRetry);
+    auto self = shared_from_this();
+    accept_retry_->async_wait([self](const boost::system::error_code& e) {
+      if (!e) self->accept_next();
     });
   }
 
@@ -1374,6 +1403,8 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   std::map<std::uint64_t, Session> sessions_;
   std::atomic<std::uint64_t> refused_{0};
   bool closed_ = false;
+  std::unique_ptr<asio::steady_timer> accept_retry_;  // I/O thread; see accept_later
+  bool accept_failing_ = false;                        // an accept error was logged
 };
 
 // ---------------------------------------------------------------------------

@@ -2,9 +2,12 @@
 // transport with hand-made messages): each class gets its error reply, or a
 // closed connection for that worker only, while a well-behaved worker
 // carries on. Also: --check-config on bad files, --print-config, metrics.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -672,6 +675,81 @@ TEST(ServerCli, NotifiesSystemdReadyWatchdogAndStopping) {
   ASSERT_TRUE(status);
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
   ::close(fd);
+}
+
+// Connections to 127.0.0.1:port (the kernel completes them from the listen
+// backlog whether or not the server accepts); -1 entries where connect failed.
+std::vector<int> open_connections(const std::string& address, int n) {
+  const auto colon = address.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<std::uint16_t>(std::stoi(address.substr(colon + 1))));
+  ::inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
+  std::vector<int> fds;
+  for (int i = 0; i < n; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+      ::close(fd);
+      fds.push_back(-1);
+      continue;
+    }
+    fds.push_back(fd);
+  }
+  return fds;
+}
+
+// Running out of file descriptors once (a burst of scrapers, a leak
+// elsewhere) makes accept fail with EMFILE. The metrics endpoint used to
+// stop accepting for good after that, so a liveness probe on /metrics
+// would kill a healthy server; both listeners now retry and say so once.
+TEST(ServerMetrics, EndpointAndListenerRecoverAfterDescriptorsRunOut) {
+  TempDir dir;
+  ClusterSpec spec;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  const pid_t pid = server.process().pid();
+  const auto in_use = std::distance(std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid)),
+                                    std::filesystem::directory_iterator{});
+  rlimit original{};
+  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, nullptr, &original), 0);
+  const rlimit tight{static_cast<rlim_t>(in_use + 4), original.rlim_max};
+  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, &tight, nullptr), 0) << std::strerror(errno);
+  // More connections than the server has descriptors left, on both ports.
+  auto flood = open_connections(server.metrics_address(), 24);
+  auto data_flood = open_connections(server.address(), 24);
+  const auto said = [&](const char* what) {
+    const auto until = std::chrono::steady_clock::now() + 20s;
+    while (server.log().find(what) == std::string::npos) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(20ms);  // polling the log file against a deadline
+    }
+    return true;
+  };
+  ASSERT_TRUE(said("metrics endpoint: cannot accept a connection")) << server.log();
+  const std::string listener_said =
+      fmt::format("listener {}: cannot accept a connection (Too many open files)", server.address());
+  EXPECT_TRUE(said(listener_said.c_str())) << server.log();
+  for (auto* fds : {&flood, &data_flood}) {
+    for (const int fd : *fds) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  // The descriptors come back as the server sees the closes; the endpoint
+  // serves again within a few retries (the limit stays tight).
+  std::string text;
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (text.find("200 OK") == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    text = http_get(server.metrics_address(), "/metrics");
+  }
+  EXPECT_NE(text.find("200 OK"), std::string::npos) << server.log();
+  // And a worker can join and train once the limit is back.
+  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, &original, nullptr), 0);
+  auto w = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(w) << w.error().to_string();
+  const std::uint64_t shape[] = {4};
+  ASSERT_TRUE((*w)->init(1, shape, std::vector<float>{1, 2, 3, 4}).wait());
+  std::vector<float> p(4);
+  ASSERT_TRUE((*w)->push_pull(1, std::vector<float>{1, 1, 1, 1}, p).wait());
 }
 
 TEST(ServerMetrics, EndpointServesPrometheusText) {
