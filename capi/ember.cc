@@ -607,9 +607,13 @@ EMBER_API int ember_wait(ember_request* request, int64_t timeout_ms, uint64_t* o
                                      timeout_ms));
     }
     const ember::Handle& h = request->handle;
-    Result<std::uint64_t> r = timeout_ms == EMBER_WAIT_FOREVER
-                                  ? h.wait()
-                                  : h.wait_for(std::chrono::milliseconds(timeout_ms));
+    // Milliseconds past a year would overflow as nanoseconds (INT64_MAX is
+    // a common "forever"); wait_for waits like wait() from a year on.
+    const auto timeout = std::chrono::milliseconds(timeout_ms);
+    Result<std::uint64_t> r =
+        timeout_ms == EMBER_WAIT_FOREVER || timeout >= ember::Handle::kWaitAsLongAsAnyRequest
+            ? h.wait()
+            : h.wait_for(timeout);
     if (!r && r.error().code() == ErrorCode::kTimeout && timeout_ms != EMBER_WAIT_FOREVER) {
       // wait_for's kTimeout means either "still running" or "the operation
       // itself timed out": ready() tells them apart; a request that finished

@@ -311,8 +311,9 @@ EMBER_API int ember_checkpoint(ember_worker* worker, uint64_t* out_sequence);
  * again later), EMBER_OK with *out_step (the operation's step: see
  * ember_push / ember_pull) when it succeeded, or the operation's error code
  * (with its message in ember_last_error). Waiting again on a done request
- * returns the same result. Blocks up to timeout_ms. Several threads may wait
- * on one request at once.
+ * returns the same result. Blocks up to timeout_ms; from a year on
+ * (INT64_MAX included) that is until done, as with EMBER_WAIT_FOREVER.
+ * Several threads may wait on one request at once.
  * Errors: EMBER_E_INVALID_ARGUMENT (request NULL, timeout_ms < -1), and the
  * operation's errors as listed with the function that started it. */
 EMBER_API int ember_wait(ember_request* request, int64_t timeout_ms, uint64_t* out_step);

@@ -155,6 +155,7 @@ Result<std::uint64_t> Handle::wait() const {
 
 Result<std::uint64_t> Handle::wait_for(std::chrono::nanoseconds timeout) const {
   if (!op_) return make_error(ErrorCode::kInvalidArgument, "wait on an empty Handle");
+  if (timeout >= kWaitAsLongAsAnyRequest) return wait();
   (void)poll_done(*op_, timeout);
   std::unique_lock lock(op_->mutex);
   if (!op_->cv.wait_for(lock, timeout, [&] { return op_->done; })) {

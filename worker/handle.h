@@ -196,8 +196,12 @@ class Handle {
   Result<std::uint64_t> wait() const;
 
   // Waits at most `timeout`. Errors: as wait(), plus kTimeout when the
-  // operation is still running (it keeps running; wait again later).
+  // operation is still running (it keeps running; wait again later). A
+  // timeout of kWaitAsLongAsAnyRequest or more (nanoseconds::max()
+  // included) waits like wait(): no operation outlives request_timeout,
+  // whose maximum that is, and clock arithmetic on larger values overflows.
   Result<std::uint64_t> wait_for(std::chrono::nanoseconds timeout) const;
+  static constexpr std::chrono::hours kWaitAsLongAsAnyRequest{24 * 365};
 
   // Boost.Asio: the handler runs on `executor` (posted) when the operation is
   // done, with the Result. Initiation never blocks.

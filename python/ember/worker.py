@@ -81,6 +81,9 @@ def set_log_level(level):
     _check(lib.ember_set_log_level(str(level).encode()))
 
 
+_YEAR_S = 365 * 24 * 3600.0  # ember_wait waits until done from a year on
+
+
 def _key(key):
     if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
         raise TypeError("key must be an int, got %r" % (key,))
@@ -265,7 +268,10 @@ class Future:
     def result(self, timeout=None):
         if self._flush is not None and not self._poll(0):
             self._flush()  # a queued pipeline operation would never finish unsent
-        if timeout is None:
+        if timeout is not None and timeout != timeout:
+            raise ValueError("timeout must be a number of seconds or None, got nan")
+        if timeout is None or timeout >= _YEAR_S:
+            # (from a year on, inf included: until done, as ember_wait does)
             self._poll(_native.WAIT_FOREVER)
         elif not self._poll(max(0, int(timeout * 1000))):
             raise TimeoutError("ember operation still running after %.3f s" % timeout)

@@ -169,3 +169,15 @@ def test_one_future_waited_on_from_two_threads(server):
             t.join()
             assert len(results) == 1 and results[0].shape == (12,)
             assert f.result() is results[0]
+
+
+def test_result_timeouts_inf_huge_and_nan(server):
+    with ember.Worker(server.config_path, rank=0) as w:
+        w.init(8, values=np.zeros(4, np.float32))
+        g = np.ones(4, np.float32)
+        assert w.push_async(8, g).result(timeout=float("inf")) == 0
+        assert w.push_async(8, g).result(timeout=1e30) == 1
+        f = w.push_async(8, g)
+        with pytest.raises(ValueError, match="nan"):
+            f.result(timeout=float("nan"))
+        assert f.result() == 2

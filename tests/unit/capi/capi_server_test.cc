@@ -234,8 +234,16 @@ TEST(CapiServer, BspRequestIsPendingUntilTheOtherWorkerPushes) {
   EXPECT_EQ(ember_last_error_code(), EMBER_PENDING);
   EXPECT_EQ(last(), "");
   EXPECT_EQ(ember_wait(req, 20, &step), EMBER_PENDING);
+  // A huge timeout (INT64_MAX as "forever") waits until done: it returned
+  // EMBER_PENDING at once when milliseconds overflowed as nanoseconds.
+  int huge_rc = 0;
+  uint64_t huge_step = 0;
+  std::thread huge([&] { huge_rc = ember_wait(req, INT64_MAX, &huge_step); });
   ASSERT_EQ(ember_push_pull(w[1], 5, g1v.data(), p1.data(), 3, &step), EMBER_OK) << last();
   EXPECT_EQ(step, 1u);
+  huge.join();
+  EXPECT_EQ(huge_rc, EMBER_OK);
+  EXPECT_EQ(huge_step, 1u);
   ASSERT_EQ(ember_wait(req, EMBER_WAIT_FOREVER, &step), EMBER_OK) << last();
   EXPECT_EQ(step, 1u);
   ember_request_free(req);
