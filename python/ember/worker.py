@@ -32,6 +32,7 @@ several threads at once, except close(). Blocking calls release the GIL.
 
 import atexit
 import ctypes
+import math
 import threading
 import weakref
 
@@ -43,6 +44,7 @@ from ._native import lib
 __all__ = ["EmberError", "Worker", "Pipeline", "Future", "set_log_level", "version"]
 
 _U64_MAX = (1 << 64) - 1
+_SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
 
 
 class EmberError(Exception):
@@ -91,6 +93,31 @@ def _key(key):
     if not 0 <= key <= _U64_MAX:
         raise ValueError("key must be in 0 .. 2**64-1, got %d" % key)
     return key
+
+
+def _shape(shape):
+    """A shape as a tuple of ints, each in 0 .. 2**64-1 (ctypes would wrap
+    larger ones silently); the C ABI checks the product."""
+    shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
+    for d in shape:
+        if not 0 <= d <= _U64_MAX:
+            raise ValueError("shape dimensions must be in 0 .. 2**64-1, got %r" % (shape,))
+    return shape
+
+
+def _check_shape(shapes, key, arr, what):
+    """Refuses an array whose shape differs from the key's (as init-ed here)
+    while its element count matches: a transposed or reshaped tensor would
+    otherwise travel as if it were the key's. A flat (1-D) array of the
+    right size is accepted. Counts that differ are the C ABI's to refuse."""
+    known = shapes.get(key)
+    if known is None or arr.shape == known or arr.ndim == 1:
+        return
+    if arr.size == math.prod(known):
+        raise EmberError(_native.E_SHAPE_MISMATCH,
+                         "shape_mismatch: %s of key %d has shape %s but the key was init-ed with "
+                         "shape %s; pass an array of that shape (or a flat one of %d elements)"
+                         % (what, key, arr.shape, known, arr.size))
 
 
 def _as_input(values):
@@ -325,10 +352,11 @@ class Pipeline:
         Returns a Future (its value: `out`, or the step for a push). Never
         blocks on the network (unless a channel's ring is full)."""
         key = _key(key)
-        g = _as_input(gradient)
+        g = self._worker._gradient(key, gradient)
         if out is None:
             return self._enqueue(lib.ember_pipeline_push, key, (g,), None, (_addr(g), g.size))
         o = _as_output(out)
+        _check_shape(self._worker._shapes, key, o, "out")
         return self._enqueue(lib.ember_pipeline_push_pull, key, (g, o), o,
                              (_addr(g), _addr(o), o.size))
 
@@ -336,6 +364,7 @@ class Pipeline:
         """Queues a pull into `out`. Returns a Future whose value is `out`."""
         key = _key(key)
         o = _as_output(out)
+        _check_shape(self._worker._shapes, key, o, "out")
         return self._enqueue(lib.ember_pipeline_pull, key, (o,), o, (_addr(o), o.size))
 
     def _enqueue(self, fn, key, keep, value, args):
@@ -361,7 +390,11 @@ class Pipeline:
 
     def wait(self):
         """Flushes and waits for every operation enqueued since the last
-        wait; raises the first error."""
+        wait; raises the first error (EmberError E_CLOSED once the pipeline
+        or its worker is closed: closing the worker ended its operations)."""
+        with self._native.lock:
+            if self._closed or self._native.destroyed:
+                raise _closed_error()
         rc = lib.ember_pipeline_wait(self._handle)
         error = None if rc == _native.OK else EmberError(rc, _native.last_error())
         with self._lock:
@@ -373,6 +406,9 @@ class Pipeline:
 
     def close(self):
         if self._closed:
+            return
+        if self._native.destroyed:  # the worker closed it (and its operations)
+            self._closed = True
             return
         try:
             self.wait()
@@ -458,11 +494,13 @@ class Worker:
         pool cannot hold ([communication] prealloc_pages) get heap memory
         instead (is_pool_buffer() tells). Never blocks."""
         dtype = np.dtype(dtype)
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise ValueError("shape must not have negative dimensions, got %r" % (shape,))
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        shape = _shape(shape)
+        count = math.prod(shape)  # exact: numpy's int64 product wraps
         nbytes = max(1, count * dtype.itemsize)
+        if nbytes > _SIZE_MAX:
+            raise EmberError(_native.E_TOO_LARGE,
+                             "too_large: an array of shape %s and dtype %s needs %d bytes, more "
+                             "than the address space" % (shape, dtype, nbytes))
         addr = ctypes.c_void_p()
         with self._native.lock:
             _check(lib.ember_alloc(self._h(), nbytes, ctypes.byref(addr)))
@@ -501,9 +539,7 @@ class Worker:
             if v is None:
                 raise ValueError("init needs a shape or values")
             shape = v.shape
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise ValueError("shape must not have negative dimensions, got %r" % (shape,))
+        shape = _shape(shape)
         dims = (ctypes.c_uint64 * max(1, len(shape)))(*shape)
         step = ctypes.c_uint64()
         _check(lib.ember_init(self._h(), key, dims, len(shape),
@@ -514,7 +550,9 @@ class Worker:
 
     def _out_for(self, key, out):
         if out is not None:
-            return _as_output(out)
+            o = _as_output(out)
+            _check_shape(self._shapes, key, o, "out")
+            return o
         shape = self._shapes.get(key)
         if shape is None:
             raise EmberError(_native.E_NOT_FOUND,
@@ -526,7 +564,7 @@ class Worker:
         """Sends this step's gradient of `key`; returns the step pushed. Blocks
         until the servers accepted it."""
         key = _key(key)
-        g = _as_input(gradient)
+        g = self._gradient(key, gradient)
         step = ctypes.c_uint64()
         _check(lib.ember_push(self._h(), key, _addr(g), g.size, ctypes.byref(step)))
         return step.value
@@ -544,7 +582,7 @@ class Worker:
         """push then pull in one round trip; returns `out`. `out` may be the
         gradient's own array. Blocks."""
         key = _key(key)
-        g = _as_input(gradient)
+        g = self._gradient(key, gradient)
         o = self._out_for(key, out)
         _check(lib.ember_push_pull(self._h(), key, _addr(g), _addr(o), o.size, None))
         return o
@@ -552,7 +590,7 @@ class Worker:
     def push_async(self, key, gradient):
         """Starts a push; the Future's value is the step pushed."""
         key = _key(key)
-        g = _as_input(gradient)
+        g = self._gradient(key, gradient)
         return self._start(lib.ember_push_async, key, (g,), None, (_addr(g), g.size))
 
     def pull_async(self, key, out=None):
@@ -564,10 +602,15 @@ class Worker:
     def push_pull_async(self, key, gradient, out=None):
         """Starts a push_pull; the Future's value is `out`."""
         key = _key(key)
-        g = _as_input(gradient)
+        g = self._gradient(key, gradient)
         o = self._out_for(key, out)
         return self._start(lib.ember_push_pull_async, key, (g, o), o,
                            (_addr(g), _addr(o), o.size))
+
+    def _gradient(self, key, gradient):
+        g = _as_input(gradient)
+        _check_shape(self._shapes, key, g, "gradient")
+        return g
 
     def _start(self, fn, key, keep, value, args):
         req = ctypes.c_void_p()

@@ -166,6 +166,52 @@ def test_wrong_key_and_sizes_with_a_real_server(server):
     assert info.value.code == ember.E_CLOSED
 
 
+def test_shapes_that_ctypes_would_wrap_or_that_differ_from_the_keys(server):
+    with ember.Worker(server.config_path, rank=0) as w:
+        for shape in [(2**64 + 3,), (2**64,), (-1, 4)]:
+            with pytest.raises(ValueError, match="0 .. 2\\*\\*64-1"):
+                w.init(40, shape=shape, values=[1, 2, 3])
+        with pytest.raises(ValueError):
+            w.allocate((-2,))
+        for shape, dtype in [((2**62,), np.float64), ((2**32, 2**32), np.float32)]:
+            with pytest.raises(ember.EmberError) as info:
+                w.allocate(shape, dtype)
+            assert info.value.code == ember.E_TOO_LARGE, info.value.message
+        w.init(41, values=np.zeros((3, 4), np.float32))
+        transposed = np.ones((4, 3), np.float32)
+        for call in [lambda: w.push(41, transposed), lambda: w.pull(41, out=np.empty((4, 3), np.float32)),
+                     lambda: w.push_pull(41, np.ones((3, 4)), out=np.empty((2, 6), np.float32)),
+                     lambda: w.push_async(41, transposed)]:
+            with pytest.raises(ember.EmberError) as info:
+                call()
+            assert info.value.code == ember.E_SHAPE_MISMATCH
+            assert "init-ed with shape (3, 4)" in info.value.message
+        with w.pipeline() as p:
+            with pytest.raises(ember.EmberError) as info:
+                p.enqueue(41, transposed)
+            assert info.value.code == ember.E_SHAPE_MISMATCH
+        # The key's own shape, and a flat array of its size, go through.
+        assert w.push(41, np.ones((3, 4), np.float32)) == 0
+        assert w.push(41, np.ones(12, np.float32)) == 1
+        assert w.pull(41, out=np.empty(12, np.float32)).shape == (12,)
+
+
+def test_pipeline_used_after_its_worker_closed_says_closed(server):
+    w = ember.Worker(server.config_path, rank=0)
+    w.init(42, values=np.zeros(4, np.float32))
+    p = w.pipeline()
+    p.enqueue(42, np.ones(4, np.float32))
+    p.flush()
+    w.close()
+    with pytest.raises(ember.EmberError) as info:
+        p.wait()
+    assert info.value.code == ember.E_CLOSED
+    p.close()  # a no-op: the worker's close ended the pipeline
+    with pytest.raises(ember.EmberError) as info:
+        p.enqueue(42, np.ones(4, np.float32))
+    assert info.value.code == ember.E_CLOSED
+
+
 def test_server_gone_is_an_error(start_server):
     s = start_server(request_timeout="3s", connect_retries=0)
     with ember.Worker(s.config_path, rank=0) as w:
