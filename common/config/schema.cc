@@ -62,6 +62,18 @@ std::string double_text(double v) {
   return s;
 }
 
+// Whether binding the same port on hosts `a` and `b` would collide: the
+// same host ("localhost" being 127.0.0.1), or a wildcard that covers the
+// other ("0.0.0.0" every IPv4 host, "::" every host under Linux's default
+// dual-stack sockets). Other host names are compared as written.
+bool same_socket_host(std::string_view a, std::string_view b) {
+  auto norm = [](std::string_view h) { return h == "localhost" ? std::string_view("127.0.0.1") : h; };
+  a = norm(a);
+  b = norm(b);
+  const auto ipv4 = [](std::string_view h) { return h.find(':') == std::string_view::npos; };
+  return a == b || a == "::" || b == "::" || (a == "0.0.0.0" && ipv4(b)) || (b == "0.0.0.0" && ipv4(a));
+}
+
 std::string quoted_list(const std::vector<std::string_view>& names) {
   std::string out;
   for (std::size_t i = 0; i < names.size(); ++i) {
@@ -77,11 +89,13 @@ std::string quoted_list(const std::vector<std::string_view>& names) {
 template <typename Sub>
 Field size_field(std::string_view table, std::string_view key, std::string_view doc,
                  Member<Sub, std::uint64_t> m, std::uint64_t min, std::uint64_t max) {
-  // The value as format_bytes shows it, or in bytes when that rounds it to
-  // the limit's own text ("1 GiB is above the maximum 1 GiB").
+  // The value as format_bytes shows it when that is exact; in bytes when it
+  // rounds (4095 B is not "4.00 KiB is below the minimum 4 KiB") or reads
+  // like the limit's own text ("1 GiB is above the maximum 1 GiB").
   auto shown = [](std::uint64_t v, std::uint64_t limit) {
     std::string text = format_bytes(v);
-    return text == format_bytes(limit) ? fmt::format("{} B", v) : text;
+    if (text == format_bytes(limit)) return fmt::format("{} B", v);
+    return text.find('.') == std::string::npos ? text : fmt::format("{} B ({})", v, text);
   };
   auto in_range = [=](std::uint64_t v) -> Problem {
     if (v < min) {
@@ -245,9 +259,14 @@ Field bool_field(std::string_view table, std::string_view key, std::string_view 
 
 template <typename Sub>
 Field string_field(std::string_view table, std::string_view key, std::string_view doc,
-                   Member<Sub, std::string> m) {
-  auto valid = [](const std::string& s) -> Problem {
+                   Member<Sub, std::string> m, bool is_path = false) {
+  auto valid = [is_path](const std::string& s) -> Problem {
     if (first_invalid_utf8(s)) return std::string("is not valid UTF-8; write the value as UTF-8 text");
+    // A path stops at a NUL for the system ("a\u0000b" would create "a").
+    // (A token is opaque bytes, sent with its length: a NUL is a byte.)
+    if (const auto at = s.find('\0'); is_path && at != std::string::npos) {
+      return fmt::format("holds a NUL character (\\u0000) at byte {}; remove it", at);
+    }
     return std::nullopt;
   };
   Field f{table, key, doc, OverrideText::kString};
@@ -525,7 +544,7 @@ std::vector<Field> build_fields() {
                          comm(&CommunicationConfig::record_pattern)));
   f.push_back(string_field("communication", "record_path",
                            "file for the recording; required when record_pattern = true",
-                           comm(&CommunicationConfig::record_path)));
+                           comm(&CommunicationConfig::record_path), /*is_path=*/true));
   // [cluster]
   f.push_back(server_list_field());
   f.push_back(uint_field("cluster", "num_workers", "workers in the job; >= 1",
@@ -555,7 +574,7 @@ std::vector<Field> build_fields() {
                          "tensors larger than this are cut into chunks; >= 4KB",
                          server(&ServerConfig::partition_bytes), 4 * KiB, TiB));
   f.push_back(string_field("server", "checkpoint_dir", "checkpoint directory; \"\" = off",
-                           server(&ServerConfig::checkpoint_dir)));
+                           server(&ServerConfig::checkpoint_dir), /*is_path=*/true));
   f.push_back(duration_field("server", "checkpoint_interval",
                              "time between checkpoints; \"0s\" = only on SIGTERM",
                              server(&ServerConfig::checkpoint_interval), hours(24 * 365), false));
@@ -719,10 +738,18 @@ std::vector<CrossRule> build_cross_rules() {
                    return std::nullopt;
                  }
                  const HostPort data = effective_listen(c);
-                 if (!(data == *c.server.metrics_listen)) return std::nullopt;
-                 return fmt::format("\"{}\" is also the server's data address; give the metrics "
-                                    "endpoint its own port",
-                                    data.to_string());
+                 const HostPort& metrics = *c.server.metrics_listen;
+                 if (data.port != metrics.port || !same_socket_host(data.host, metrics.host)) {
+                   return std::nullopt;
+                 }
+                 return data == metrics
+                            ? fmt::format("\"{}\" is also the server's data address; give the "
+                                          "metrics endpoint its own port",
+                                          data.to_string())
+                            : fmt::format("\"{}\" takes the same port as the server's data address "
+                                          "\"{}\" on the same host; give the metrics endpoint its "
+                                          "own port",
+                                          metrics.to_string(), data.to_string());
                }});
   return r;
 }

@@ -431,6 +431,12 @@ TEST(ConfigErrors, BadEnumListsValidValues) {
   // Just over the limit: shown in bytes, not rounded to the limit's text.
   EXPECT_THAT(parse_error("[communication]\ninline_write = \"1073741825B\"\n"),
               HasSubstr("1073741825 B is above the maximum 1 GiB"));
+  EXPECT_THAT(parse_error("[server]\ncheckpoint_dir = \"/tmp/a\\u0000b\"\n"),
+              HasSubstr("cfg.toml:2: key 'server.checkpoint_dir': holds a NUL character (\\u0000) "
+                        "at byte 6; remove it"));
+  // Rounded text is shown with the exact bytes (not "4.00 KiB is below 4 KiB").
+  EXPECT_THAT(parse_error("[server]\npartition_bytes = 4095\n"),
+              HasSubstr("4095 B (4.00 KiB) is below the minimum 4 KiB"));
   EXPECT_THAT(parse_error("[communication]\nzero_copy = \"splice\"\n"),
               HasSubstr("use one of \"writev\", \"sendfile\""));
   EXPECT_THAT(parse_error("[communication]\npayload_checksum = \"yes\"\n"),
@@ -739,6 +745,24 @@ TEST(ConfigToml, OddValuesRoundTrip) {
 }
 
 // ---------------------------------------------------------------------------
+TEST(ConfigValidate, MetricsListenOnTheDataSocketUnderAnotherNameIsRefused) {
+  const auto with = [](const std::string& data, const std::string& metrics) {
+    return "[server]\nlisten = \"" + data + "\"\nmetrics_listen = \"" + metrics + "\"\n";
+  };
+  EXPECT_THAT(parse_error(with("127.0.0.1:7070", "127.0.0.1:7070")),
+              HasSubstr("\"127.0.0.1:7070\" is also the server's data address"));
+  for (const char* metrics : {"localhost:7070", "0.0.0.0:7070", "[::]:7070"}) {
+    EXPECT_THAT(parse_error(with("127.0.0.1:7070", metrics)),
+                HasSubstr("takes the same port as the server's data address \"127.0.0.1:7070\""))
+        << metrics;
+  }
+  EXPECT_THAT(parse_error(with("0.0.0.0:7070", "127.0.0.1:7070")), HasSubstr("takes the same port"));
+  // Other ports, or an IPv6 host beside an IPv4 wildcard, do not collide.
+  parse_ok(with("127.0.0.1:7070", "localhost:7071"));
+  parse_ok(with("0.0.0.0:7070", "[::1]:7070"));
+  parse_ok(with("10.0.0.1:7070", "127.0.0.1:7070"));
+}
+
 TEST(ConfigValidate, RejectsBadProgrammaticConfigs) {
   Config c;
   c.cluster.servers.clear();
