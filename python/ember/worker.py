@@ -33,6 +33,7 @@ several threads at once, except close(). Blocking calls release the GIL.
 import atexit
 import ctypes
 import math
+import os
 import threading
 import weakref
 
@@ -93,6 +94,18 @@ def _key(key):
     if not 0 <= key <= _U64_MAX:
         raise ValueError("key must be in 0 .. 2**64-1, got %d" % key)
     return key
+
+
+def _c_text(value, what):
+    """`value` (str, or bytes as UTF-8) as a C string; a NUL inside would cut
+    it short without a word, so it is refused."""
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode()
+    elif not isinstance(value, str):
+        raise TypeError("%s must be a str, got %s" % (what, type(value).__name__))
+    if "\0" in value:
+        raise ValueError("%s holds a NUL character: %r" % (what, value))
+    return value.encode()
 
 
 def _shape(shape):
@@ -450,11 +463,11 @@ class Worker:
             if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0:
                 raise ValueError("rank must be a non-negative int or None, got %r" % (rank,))
             c_rank = int(rank)
-        sets = [str(s).encode() for s in overrides]
+        sets = [_c_text(s, "override") for s in overrides]
         c_sets = (ctypes.c_char_p * max(1, len(sets)))(*sets)
         handle = ctypes.c_void_p()
-        _check(lib.ember_worker_create(str(config_path).encode(), c_rank, c_sets, len(sets),
-                                       ctypes.byref(handle)))
+        _check(lib.ember_worker_create(_c_text(os.fspath(config_path), "config_path"), c_rank,
+                                       c_sets, len(sets), ctypes.byref(handle)))
         self._native = _Native(handle)
         _live_natives.add(self._native)
         self._shapes = {}

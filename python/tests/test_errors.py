@@ -65,6 +65,15 @@ def test_bad_override_and_rank(tmp_path):
     assert info.value.code == ember.E_CONFIG
     with pytest.raises(ValueError):
         ember.Worker(str(path), rank=-1)
+    # A NUL would cut the C string short without a word.
+    with pytest.raises(ValueError, match="config_path holds a NUL"):
+        ember.Worker(str(path) + "\0junk", rank=0)
+    with pytest.raises(ValueError, match="override holds a NUL"):
+        ember.Worker(str(path), rank=0, overrides=["worker.rank=0\0junk"])
+    # bytes overrides are UTF-8 text, not "b'...'".
+    with pytest.raises(ember.EmberError) as info:
+        ember.Worker(path, rank=0, overrides=[b"worker.no_such_key=1"])
+    assert "'worker.no_such_key'" in info.value.message, info.value.message
 
 
 def test_absent_server_is_an_error_naming_it(tmp_path):
