@@ -4,6 +4,9 @@ Tensors are float32 numpy arrays in C order. Gradients may be any array-like
 (converted with numpy.ascontiguousarray(dtype=float32), which copies only
 when the input is not already that); pull destinations (`out`) must be
 C-contiguous, writeable float32 arrays, because the parameters land in them.
+Shapes: once a key is init-ed here, a gradient or `out` must have the key's
+shape, or be flat (1-D) with its element count; another shape of the same
+count (a transposed tensor) is EmberError E_SHAPE_MISMATCH.
 
 Zero copy. Worker.allocate() returns a numpy array that *is* a page-pool
 buffer of the worker (array.ctypes.data == the pool address): a gradient
