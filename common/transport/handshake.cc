@@ -135,7 +135,10 @@ Result<Reply> decode_reply(std::span<const std::byte> bytes) {
   Reply r;
   r.version = get<std::uint16_t>(bytes, 4);
   const auto status = get<std::uint16_t>(bytes, 8);
-  if (status > static_cast<std::uint16_t>(kLastErrorCode)) {
+  // A listener of another version may use codes and bytes this one does not
+  // know; its reply still decodes, so the caller can name the mismatch.
+  const bool same_version = r.version == kProtocolVersion;
+  if (same_version && status > static_cast<std::uint16_t>(kLastErrorCode)) {
     return make_error(ErrorCode::kProtocol, "handshake: unknown status {} in reply", status);
   }
   r.status = static_cast<ErrorCode>(status);
@@ -143,7 +146,7 @@ Result<Reply> decode_reply(std::span<const std::byte> bytes) {
   if (!valid_role(role)) {
     return make_error(ErrorCode::kProtocol, "handshake: unknown role {} in reply", role);
   }
-  if (get<std::uint8_t>(bytes, 11) != 0 || get<std::uint32_t>(bytes, 20) != 0) {
+  if (same_version && (get<std::uint8_t>(bytes, 11) != 0 || get<std::uint32_t>(bytes, 20) != 0)) {
     return make_error(ErrorCode::kProtocol, "handshake: reserved reply bytes 11 and 20..23 are not zero");
   }
   r.role = static_cast<Role>(role);

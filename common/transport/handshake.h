@@ -92,9 +92,11 @@ Result<std::size_t> hello_bytes_missing(std::span<const std::byte> prefix);
 Result<std::size_t> reply_bytes_missing(std::span<const std::byte> prefix);
 
 // Decodes a complete Hello/Reply. Errors: kProtocol (bad magic, unknown
-// role/kind, a Reply status above kLastErrorCode, non-zero reserved bytes,
-// channel >= num_channels, zero channels, length mismatch). A different
-// version is NOT an error here: check_hello decides.
+// role/kind, non-zero reserved bytes, channel >= num_channels, zero
+// channels, length mismatch; in a Reply of this version, a status above
+// kLastErrorCode or non-zero reserved bytes). A different version is NOT an
+// error here: check_hello (or the caller, for a Reply) decides, and a Reply
+// of another version keeps its status and reserved bytes unchecked.
 Result<Hello> decode_hello(std::span<const std::byte> bytes);
 Result<Reply> decode_reply(std::span<const std::byte> bytes);
 

@@ -103,6 +103,15 @@ TEST(Handshake, MalformedRepliesAreProtocolErrors) {
     EXPECT_EQ(d.error().code(), ErrorCode::kProtocol) << c.what;
     EXPECT_NE(d.error().message().find(c.what), std::string::npos) << d.error().message();
   }
+  // A listener of another version may use codes this one does not know: its
+  // reply decodes, so the caller names the version mismatch.
+  auto newer = bytes;
+  newer[4] = std::byte{static_cast<unsigned char>(kProtocolVersion + 1)};
+  newer[8] = std::byte{0xFF};
+  newer[11] = std::byte{1};
+  const auto d = handshake::decode_reply(newer);
+  ASSERT_TRUE(d) << d.error().to_string();
+  EXPECT_EQ(d->version, kProtocolVersion + 1);
 }
 
 TEST(Handshake, CheckHelloNamesTheProblem) {
