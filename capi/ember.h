@@ -256,7 +256,9 @@ EMBER_API int ember_push(ember_worker* worker, uint64_t key, const float* gradie
  * Errors: EMBER_E_INVALID_ARGUMENT (worker/out NULL, wrong num_elements),
  *   EMBER_E_NOT_FOUND, EMBER_E_WORKER_LOST, EMBER_E_OUT_OF_STEP (bsp/ssp: the
  *   step needs pushes of this worker the server never received; the key's
- *   step is now the server's), EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
+ *   step is now the server's, unless this worker's own pushes of the key are
+ *   still unanswered, e.g. queued in an unflushed pipeline: then the pull
+ *   overtook them and the step stays), EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
 EMBER_API int ember_pull(ember_worker* worker, uint64_t key, float* out, size_t num_elements,
                          uint64_t* out_step);
 

@@ -1110,9 +1110,9 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
             ks ? ks->pushes_unanswered.load(std::memory_order_acquire) : 0;
         if (unanswered != 0) {
           hint = fmt::format(
-              "; this worker has {} push(es) of key {} not yet answered (queued in a pipeline "
-              "that was not flushed?): the pull overtook them. Its step stays {}: flush or wait "
-              "for those pushes, then pull again",
+              "; but this worker has {} push(es) of key {} not yet answered (queued in a "
+              "pipeline that was not flushed?): the pull overtook them, so the step is not "
+              "reset and step(key) stays {}: flush or wait for those pushes, then pull again",
               unanswered, h.key, ks->next_step.load(std::memory_order_acquire));
         }
       }
@@ -1491,6 +1491,9 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
         fmt::format("{} of key {}: the tensor has {} elements but {} were given", proto::msg_type_name(type),
                     key, ks->num_elements, sends ? gradient.size() : out.size())));
   }
+  // Counted before the step is taken, so a pull on another thread never
+  // sees the step advanced without the push that advanced it.
+  if (sends) ks->pushes_unanswered.fetch_add(1, std::memory_order_acq_rel);
   std::uint64_t s = 0;
   if (step) {
     s = *step;
@@ -1526,7 +1529,6 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
     k->next_step.store(server_step, std::memory_order_release);
   };
   if (sends) {
-    k->pushes_unanswered.fetch_add(1, std::memory_order_acq_rel);
     const bool counted_step = !step;
     op->before_done = [k, s, counted_step](const Result<std::uint64_t>& r) {
       k->pushes_unanswered.fetch_sub(1, std::memory_order_acq_rel);

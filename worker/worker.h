@@ -229,8 +229,9 @@ class Worker {
   // Errors: kNotFound, kInvalidArgument (out.size() != elements),
   // kWorkerLost (a worker this step needs is gone, per on_worker_loss),
   // kOutOfStep (bsp/ssp: the step asked needs pushes of this worker the
-  // server never received; step(key) is now the server's step), kClosed,
-  // kTimeout.
+  // server never received; step(key) is now the server's step, unless
+  // pushes of the key from this worker are still unanswered: then the pull
+  // overtook them, and step(key) stays), kClosed, kTimeout.
   Handle pull(Key key, std::span<float> out);
   Handle pull(Key key, std::span<float> out, std::uint64_t step);
 
@@ -247,7 +248,8 @@ class Worker {
   Handle checkpoint();
 
   // The next step push(key) will use; 0 for a key not init-ed. After a
-  // kOutOfStep error: the step the refusing server expects.
+  // kOutOfStep error: the step the refusing server expects (except after a
+  // pull that overtook this worker's own unanswered pushes; see pull).
   std::uint64_t step(Key key) const;
 
   Pipeline pipeline();
