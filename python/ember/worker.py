@@ -5,8 +5,9 @@ Tensors are float32 numpy arrays in C order. Gradients may be any array-like
 when the input is not already that); pull destinations (`out`) must be
 C-contiguous, writeable float32 arrays, because the parameters land in them.
 Shapes: once a key is init-ed here, a gradient or `out` must have the key's
-shape, or be flat (1-D) with its element count; another shape of the same
-count (a transposed tensor) is EmberError E_SHAPE_MISMATCH.
+shape, be flat (0-D or 1-D) with its element count, or differ from it only
+in size-1 dimensions; another shape of the same count (a transposed
+tensor) is EmberError E_SHAPE_MISMATCH.
 
 Zero copy. Worker.allocate() returns a numpy array that *is* a page-pool
 buffer of the worker (array.ctypes.data == the pool address): a gradient
@@ -125,9 +126,14 @@ def _check_shape(shapes, key, arr, what):
     """Refuses an array whose shape differs from the key's (as init-ed here)
     while its element count matches: a transposed or reshaped tensor would
     otherwise travel as if it were the key's. A flat (1-D) array of the
-    right size is accepted. Counts that differ are the C ABI's to refuse."""
+    right size is accepted, and so is a shape that differs only in size-1
+    dimensions. Counts that differ are the C ABI's to refuse."""
     known = shapes.get(key)
-    if known is None or arr.shape == known or arr.ndim == 1:
+    if known is None or arr.shape == known or arr.ndim <= 1:
+        return
+    # Size-1 dimensions added or dropped ((1, n) for (n,), keepdims sums)
+    # leave the layout as it is.
+    if tuple(d for d in arr.shape if d != 1) == tuple(d for d in known if d != 1):
         return
     if arr.size == math.prod(known):
         raise EmberError(_native.E_SHAPE_MISMATCH,
@@ -278,18 +284,23 @@ class Future:
         threads may wait at once: the native request is freed by the last
         one to leave ember_wait after it finished, never under another."""
         with self._lock:
-            if self._finished:
-                return True
-            req = self._request
-            self._waiters += 1
+            finished = self._finished
+            if not finished:
+                req = self._request
+                self._waiters += 1
+        if finished:
+            self._native.remove_pending(self)  # (idempotent)
+            return True
         step = ctypes.c_uint64(0)
         rc = _native.PENDING  # if the wait itself raises (KeyboardInterrupt)
         try:
             rc = lib.ember_wait(req, timeout_ms, ctypes.byref(step))
+        finally:
+            # (Here, not in the try: an interrupt after ember_wait returned
+            # must still record the operation's error.)
             error = None
             if rc not in (_native.PENDING, _native.OK):
                 error = EmberError(rc, _native.last_error())
-        finally:
             with self._lock:
                 self._waiters -= 1
                 if rc != _native.PENDING and not self._finished:
@@ -407,7 +418,9 @@ class Pipeline:
     def wait(self):
         """Flushes and waits for every operation enqueued since the last
         wait; raises the first error (EmberError E_CLOSED once the pipeline
-        or its worker is closed: closing the worker ended its operations)."""
+        is closed, or once its worker's native handle is gone: closing the
+        worker ended its operations; while pool arrays keep that handle,
+        waiting still works and finds them done)."""
         with self._native.lock:
             if self._closed or self._native.destroyed:
                 raise _closed_error()
@@ -654,7 +667,9 @@ class Worker:
 
         After an EmberError with code E_OUT_OF_STEP (a server restored from an
         older checkpoint refused the step), the step that server expects:
-        pull(key) at it and continue from there."""
+        pull(key) at it and continue from there. (Not after a pull that
+        overtook this worker's own unanswered pushes of the key, e.g. queued
+        in an unflushed pipeline: the error says so, and the step stays.)"""
         s = ctypes.c_uint64()
         _check(lib.ember_step(self._h(), _key(key), ctypes.byref(s)))
         return s.value

@@ -203,6 +203,12 @@ def test_shapes_that_ctypes_would_wrap_or_that_differ_from_the_keys(server):
         assert w.push(41, np.ones((3, 4), np.float32)) == 0
         assert w.push(41, np.ones(12, np.float32)) == 1
         assert w.pull(41, out=np.empty(12, np.float32)).shape == (12,)
+        # Size-1 dimensions added or dropped, and a scalar for a 1-element key.
+        w.init(43, values=np.zeros(4, np.float32))
+        assert w.push(43, np.ones((1, 4), np.float32)) == 0
+        assert w.pull(43, out=np.empty((4, 1), np.float32)).shape == (4, 1)
+        w.init(44, values=np.zeros(1, np.float32))
+        assert w.push(44, 0.5) == 0
 
 
 def test_pipeline_used_after_its_worker_closed_says_closed(server):
