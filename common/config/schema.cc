@@ -739,7 +739,13 @@ std::vector<CrossRule> build_cross_rules() {
                  }
                  const HostPort data = effective_listen(c);
                  const HostPort& metrics = *c.server.metrics_listen;
-                 if (data.port != metrics.port || !same_socket_host(data.host, metrics.host)) {
+                 // Only tcp data addresses are TCP sockets (shm listens on an
+                 // abstract unix socket named after the address, rdma on
+                 // rdma_cm): for those, only the same text is refused.
+                 const bool tcp_data = c.communication.transport == Transport::kTcp ||
+                                       c.communication.transport == Transport::kAuto;
+                 if (data.port != metrics.port ||
+                     !(data == metrics || (tcp_data && same_socket_host(data.host, metrics.host)))) {
                    return std::nullopt;
                  }
                  return data == metrics

@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -236,13 +238,22 @@ TEST(CapiServer, BspRequestIsPendingUntilTheOtherWorkerPushes) {
   EXPECT_EQ(ember_wait(req, 20, &step), EMBER_PENDING);
   // A huge timeout (INT64_MAX as "forever") waits until done: it returned
   // EMBER_PENDING at once when milliseconds overflowed as nanoseconds.
-  int huge_rc = 0;
+  std::atomic<int> huge_rc{0};
+  std::atomic<bool> huge_returned{false};
   uint64_t huge_step = 0;
-  std::thread huge([&] { huge_rc = ember_wait(req, INT64_MAX, &huge_step); });
-  ASSERT_EQ(ember_push_pull(w[1], 5, g1v.data(), p1.data(), 3, &step), EMBER_OK) << last();
-  EXPECT_EQ(step, 1u);
+  std::thread huge([&] {
+    huge_rc = ember_wait(req, INT64_MAX, &huge_step);
+    huge_returned = true;
+  });
+  // The round needs rank 1's push: the wait must still be waiting (it came
+  // back at once with the bug; a late-starting thread only hides it).
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(huge_returned.load()) << "ember_wait(INT64_MAX) returned " << huge_rc.load();
+  const int pushed = ember_push_pull(w[1], 5, g1v.data(), p1.data(), 3, &step);
   huge.join();
-  EXPECT_EQ(huge_rc, EMBER_OK);
+  ASSERT_EQ(pushed, EMBER_OK) << last();
+  EXPECT_EQ(step, 1u);
+  EXPECT_EQ(huge_rc.load(), EMBER_OK);
   EXPECT_EQ(huge_step, 1u);
   ASSERT_EQ(ember_wait(req, EMBER_WAIT_FOREVER, &step), EMBER_OK) << last();
   EXPECT_EQ(step, 1u);

@@ -761,6 +761,8 @@ TEST(ConfigValidate, MetricsListenOnTheDataSocketUnderAnotherNameIsRefused) {
   parse_ok(with("127.0.0.1:7070", "localhost:7071"));
   parse_ok(with("0.0.0.0:7070", "[::1]:7070"));
   parse_ok(with("10.0.0.1:7070", "127.0.0.1:7070"));
+  // Over shm the data address names a unix socket, not a TCP port.
+  parse_ok("[communication]\ntransport = \"shm\"\n" + with("127.0.0.1:7070", "0.0.0.0:7070"));
 }
 
 TEST(ConfigValidate, RejectsBadProgrammaticConfigs) {
