@@ -373,6 +373,11 @@ Problem check_server_list(const std::vector<HostPort>& servers) {
         return fmt::format("\"{}\" is listed twice (elements [{}] and [{}]); list each server once",
                            servers[i].to_string(), j, i);
       }
+      if (servers[j].port == servers[i].port && same_socket_host(servers[j].host, servers[i].host)) {
+        return fmt::format("\"{}\" (element [{}]) is the same server as \"{}\" (element [{}]) "
+                           "under another name; list each server once",
+                           servers[i].to_string(), i, servers[j].to_string(), j);
+      }
     }
   }
   return std::nullopt;

@@ -461,6 +461,10 @@ TEST(ConfigErrors, BadAddresses) {
               HasSubstr("cfg.toml:2: key 'cluster.servers': is empty; list at least one server"));
   EXPECT_THAT(parse_error("[cluster]\nservers = [\"a:1\", \"b:2\", \"a:1\"]\n"),
               HasSubstr("\"a:1\" is listed twice (elements [0] and [2])"));
+  EXPECT_THAT(parse_error("[cluster]\nservers = [\"127.0.0.1:7070\", \"localhost:7070\"]\n"),
+              HasSubstr("\"localhost:7070\" (element [1]) is the same server as \"127.0.0.1:7070\" "
+                        "(element [0]) under another name"));
+  parse_ok("[cluster]\nservers = [\"127.0.0.1:7070\", \"localhost:7071\"]\n");
   EXPECT_THAT(parse_error("[cluster]\nservers = [\"a:0\"]\n"),
               HasSubstr("port 0 is not in 1 .. 65535"));
   EXPECT_THAT(parse_error("[cluster]\nservers = [\"a:70000\"]\n"),
