@@ -6,12 +6,12 @@
 #include <thread>
 
 #include <boost/asio/ip/tcp.hpp>
-#include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <fmt/format.h>
 
 #include "common/base/logging.h"
+#include "common/transport/accept_pacer.h"
 
 namespace ember::server {
 
@@ -87,14 +87,8 @@ struct MetricsHttp::Impl {
   const metrics::Registry* registry = nullptr;
   std::function<void()> refresh;
   std::function<Result<std::string>()> checkpoint;
-  asio::steady_timer retry_timer{io};
-  bool accept_failing = false;  // an accept error was logged; cleared by the next success
+  transport::AcceptPacer accept_pacer{log::logger("server"), "metrics endpoint"};  // io's thread
   std::thread thread;
-
-  // Pause after a failed accept (EMFILE/ENFILE when descriptors run out,
-  // ENOBUFS, ...): the pending connection stays in the listen backlog, so
-  // retrying at once would spin on the same error.
-  static constexpr auto kAcceptRetry = std::chrono::milliseconds(100);
 
   void accept() {
     acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
@@ -103,23 +97,10 @@ struct MetricsHttp::Impl {
         // Any other error is the process's or the system's state, not the
         // endpoint's: keep serving once it passes (an orchestrator's
         // liveness probe scrapes this endpoint).
-        if (!accept_failing) {
-          accept_failing = true;
-          log::logger("server")->warn(
-              "metrics endpoint: cannot accept a connection ({}); retrying every {} ms until it "
-              "can (out of file descriptors? raise LimitNOFILE / ulimit -n)",
-              ec.message(), kAcceptRetry.count());
-        }
-        retry_timer.expires_after(kAcceptRetry);
-        retry_timer.async_wait([this](beast::error_code e) {
-          if (!e) accept();
-        });
+        accept_pacer.failed(io, ec.message(), [this] { accept(); });
         return;
       }
-      if (accept_failing) {
-        accept_failing = false;
-        log::logger("server")->info("metrics endpoint: accepting connections again");
-      }
+      accept_pacer.succeeded();
       std::make_shared<Session>(std::move(socket), *registry, refresh, checkpoint)->start();
       accept();
     });
@@ -179,7 +160,7 @@ void MetricsHttp::stop() {
   asio::post(impl_->io, [raw = impl_.get()] {
     beast::error_code ec;
     raw->acceptor.close(ec);
-    raw->retry_timer.cancel();
+    raw->accept_pacer.cancel();
   });
   impl_->io.stop();
   if (impl_->thread.joinable()) impl_->thread.join();

@@ -38,6 +38,7 @@
 #include "common/base/units.h"
 #include "common/memory/mapped_region.h"
 #include "common/memory/stream_copy.h"
+#include "common/transport/accept_pacer.h"
 #include "common/transport/connection_core.h"
 #include "common/transport/flow_control.h"
 #include "common/transport/handshake.h"
@@ -1944,6 +1945,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       return make_sys_error(err, "cannot listen on shm address {}", address);
     }
     address_ = address;
+    accept_pacer_.emplace(shm_log(), "listener " + address_);
     acceptor_ = std::make_unique<Descriptor>(ctx_, fd);
     core_->io_object_added();
     return ok_status();
@@ -1981,8 +1983,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       core_->io_object_removed();
       if (!address_.empty() && address_[0] != '@') ::unlink(address_.c_str());
     }
-    if (accept_retry_) accept_retry_->cancel();
-    accept_retry_.reset();
+    if (accept_pacer_) accept_pacer_->cancel();
     auto pending = pending_;
     for (auto& p : pending) drop(p);
   }
@@ -2008,35 +2009,15 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
           arm_accept();
           return;
         }
-        accept_later(err);
+        auto self = shared_from_this();
+        accept_pacer_->failed(ctx_, std::strerror(err), [self] {
+          if (!self->closed_) self->accept_ready();
+        });
         return;
       }
-      if (accept_failing_) {
-        accept_failing_ = false;
-        shm_log()->info("listener {}: accepting connections again", address_);
-      }
+      accept_pacer_->succeeded();
       begin(fd);
     }
-  }
-
-  // After a failed accept (EMFILE/ENFILE when descriptors run out, ENOBUFS,
-  // ...) the connection stays in the backlog and the socket stays readable,
-  // so waiting for readability would spin on the same error: wait
-  // kAcceptRetry instead, logging once per episode.
-  static constexpr auto kAcceptRetry = std::chrono::milliseconds(100);
-  void accept_later(int err) {
-    if (!accept_failing_) {
-      accept_failing_ = true;
-      shm_log()->warn("listener {}: cannot accept a connection ({}); retrying every {} ms until it "
-                      "can (out of file descriptors? raise LimitNOFILE / ulimit -n)",
-                      address_, std::strerror(err), kAcceptRetry.count());
-    }
-    if (!accept_retry_) accept_retry_ = std::make_unique<asio::steady_timer>(ctx_);
-    accept_retry_->expires_after(kAcceptRetry);
-    auto self = shared_from_this();
-    accept_retry_->async_wait([self](const boost::system::error_code& e) {
-      if (!e && !self->closed_) self->accept_ready();
-    });
   }
 
   void begin(int fd) {
@@ -2210,8 +2191,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   std::vector<std::shared_ptr<Pending>> pending_;
   std::atomic<std::uint64_t> refused_{0};
   bool closed_ = false;
-  std::unique_ptr<asio::steady_timer> accept_retry_;  // I/O thread; see accept_later
-  bool accept_failing_ = false;                        // an accept error was logged
+  std::optional<AcceptPacer> accept_pacer_;  // set by open(); then I/O thread only
 };
 
 // ---------------------------------------------------------------------------

@@ -45,6 +45,7 @@
 #include "common/base/check.h"
 #include "common/base/logging.h"
 #include "common/base/units.h"
+#include "common/transport/accept_pacer.h"
 #include "common/transport/connection_core.h"
 #include "common/transport/control.h"
 #include "common/transport/flow_control.h"
@@ -1108,6 +1109,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       return make_sys_error(ec.value(), "cannot listen on {}", endpoint_to_string(endpoint));
     }
     address_ = endpoint_to_string(acceptor_->local_endpoint());
+    accept_pacer_.emplace(tcp_log(), "listener " + address_);
     core_->io_object_added();
     return ok_status();
   }
@@ -1151,8 +1153,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       acceptor_.reset();
       core_->io_object_removed();
     }
-    if (accept_retry_) accept_retry_->cancel();
-    accept_retry_.reset();
+    if (accept_pacer_) accept_pacer_->cancel();
     for (auto& p : pending_) {
       if (p->timer) p->timer->cancel();
       p->timer.reset();
@@ -1174,35 +1175,12 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
     acceptor_->async_accept([self](const boost::system::error_code& ec, tcp::socket socket) {
       if (self->closed_ || ec == asio::error::operation_aborted) return;
       if (ec) {
-        self->accept_later(ec);
+        self->accept_pacer_->failed(self->ctx_, ec.message(), [self] { self->accept_next(); });
         return;
       }
-      if (self->accept_failing_) {
-        self->accept_failing_ = false;
-        tcp_log()->info("listener {}: accepting connections again", self->address_);
-      }
+      self->accept_pacer_->succeeded();
       self->begin_handshake(std::move(socket));
       self->accept_next();
-    });
-  }
-
-  // After a failed accept (EMFILE/ENFILE when descriptors run out, ENOBUFS,
-  // ...) the connection stays in the listen backlog, so accepting again at
-  // once would spin on the same error: wait kAcceptRetry, logging once per
-  // episode. Workers' connects wait in the backlog (up to connect_timeout).
-  static constexpr auto kAcceptRetry = std::chrono::milliseconds(100);
-  void accept_later(const boost::system::error_code& ec) {
-    if (!accept_failing_) {
-      accept_failing_ = true;
-      tcp_log()->warn("listener {}: cannot accept a connection ({}); retrying every {} ms until it "
-                      "can (out of file descriptors? raise LimitNOFILE / ulimit -n)",
-                      address_, ec.message(), kAcceptRetry.count());
-    }
-    if (!accept_retry_) accept_retry_ = std::make_unique<asio::steady_timer>(ctx_);
-    accept_retry_->expires_after(kAcceptRetry);
-    auto self = shared_from_this();
-    accept_retry_->async_wait([self](const boost::system::error_code& e) {
-      if (!e) self->accept_next();
     });
   }
 
@@ -1403,8 +1381,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   std::map<std::uint64_t, Session> sessions_;
   std::atomic<std::uint64_t> refused_{0};
   bool closed_ = false;
-  std::unique_ptr<asio::steady_timer> accept_retry_;  // I/O thread; see accept_later
-  bool accept_failing_ = false;                        // an accept error was logged
+  std::optional<AcceptPacer> accept_pacer_;  // set by open(); then I/O thread only
 };
 
 // ---------------------------------------------------------------------------

@@ -6,10 +6,16 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <sstream>
 #include <thread>
+
+#include <boost/asio/io_context.hpp>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include "common/config/config.h"
 #include "common/memory/page_pool.h"
+#include "common/transport/accept_pacer.h"
 #include "common/transport/control.h"
 #include "common/transport/flow_control.h"
 #include "common/transport/handshake.h"
@@ -392,6 +398,60 @@ TEST(IoThreads, CallbacksRunOnThreadsPinnedToTheConfiguredCpu) {
   EXPECT_TRUE(cpu0);
   EXPECT_TRUE(on_io);
   EXPECT_FALSE((*server)->on_io_thread());
+}
+
+// A listener whose accept fails (EMFILE) waits AcceptPacer::kRetry before the
+// next try, warns once per episode and says once when accepting works again.
+TEST(AcceptPacer, RetriesAfterThePauseAndLogsEachEpisodeOnce) {
+  std::ostringstream out;
+  auto log = std::make_shared<spdlog::logger>(
+      "accept-pacer-test", std::make_shared<spdlog::sinks::ostream_sink_st>(out));
+  log->set_level(spdlog::level::info);
+  log->set_pattern("%l %v");
+  boost::asio::io_context ctx;
+  AcceptPacer pacer(log, "listener 127.0.0.1:7000");
+  EXPECT_FALSE(pacer.failing());
+
+  int retries = 0;
+  const auto start = std::chrono::steady_clock::now();
+  pacer.failed(ctx, "Too many open files", [&] { ++retries; });
+  // A second failure before the retry re-arms the one timer: one retry, one warning.
+  pacer.failed(ctx, "Too many open files", [&] { ++retries; });
+  EXPECT_TRUE(pacer.failing());
+  ctx.run();
+  EXPECT_EQ(retries, 1);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, AcceptPacer::kRetry);
+  const std::string warning =
+      "warning listener 127.0.0.1:7000: cannot accept a connection (Too many open files); "
+      "retrying every 100 ms";
+  EXPECT_NE(out.str().find(warning), std::string::npos) << out.str();
+  EXPECT_EQ(out.str().find(warning), out.str().rfind(warning)) << out.str();
+
+  pacer.succeeded();
+  pacer.succeeded();
+  EXPECT_FALSE(pacer.failing());
+  const std::string recovered = "info listener 127.0.0.1:7000: accepting connections again";
+  EXPECT_NE(out.str().find(recovered), std::string::npos) << out.str();
+  EXPECT_EQ(out.str().find(recovered), out.str().rfind(recovered)) << out.str();
+
+  // A new episode warns again; cancel() (the listener closing) drops its retry.
+  pacer.failed(ctx, "No buffer space available", [&] { ++retries; });
+  pacer.cancel();
+  ctx.restart();
+  ctx.run();
+  EXPECT_EQ(retries, 1);
+  EXPECT_NE(out.str().find("(No buffer space available)"), std::string::npos) << out.str();
+}
+
+// Before any accept failed, succeeded() logs nothing.
+TEST(AcceptPacer, SuccessWithoutAFailureLogsNothing) {
+  std::ostringstream out;
+  auto log = std::make_shared<spdlog::logger>(
+      "accept-pacer-quiet", std::make_shared<spdlog::sinks::ostream_sink_st>(out));
+  log->set_level(spdlog::level::trace);
+  AcceptPacer pacer(log, "metrics endpoint");
+  pacer.succeeded();
+  EXPECT_TRUE(out.str().empty()) << out.str();
 }
 
 }  // namespace
