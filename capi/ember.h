@@ -231,9 +231,10 @@ EMBER_API int ember_buffer_info(const ember_worker* worker, const void* data, si
  * restart of this worker).
  * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL, shape NULL with ndim > 0,
  *   values NULL with num_values > 0, more than 8 dims, num_values not the
- *   element count), EMBER_E_SHAPE_MISMATCH (the key exists with another
- *   shape), EMBER_E_WORKER_LOST (rank 0 lost while waiting), EMBER_E_CLOSED,
- *   EMBER_E_TIMEOUT. */
+ *   element count), EMBER_E_TOO_LARGE (the tensor is larger than this
+ *   host's physical memory: every rank pulls all of it), EMBER_E_SHAPE_MISMATCH
+ *   (the key exists with another shape), EMBER_E_WORKER_LOST (rank 0 lost
+ *   while waiting), EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
 EMBER_API int ember_init(ember_worker* worker, uint64_t key, const uint64_t* shape, size_t ndim,
                          const float* values, size_t num_values, uint64_t* out_step);
 

@@ -13,6 +13,8 @@
 #include <queue>
 #include <shared_mutex>
 #include <thread>
+
+#include <unistd.h>
 #include <unordered_map>
 #include <utility>
 
@@ -21,6 +23,7 @@
 #include <fmt/ranges.h>
 
 #include "common/base/logging.h"
+#include "common/base/units.h"
 #include "common/memory/page_pool.h"
 #include "common/placement/placement.h"
 #include "common/proto/message.h"
@@ -284,6 +287,14 @@ struct ServerLink {
   // back) rather than waiting out connect_retries again.
   std::atomic<std::uint32_t> failed_cycle_attempts{0};
 };
+
+// This host's physical memory in bytes (sysconf); 0 when unknown.
+std::uint64_t host_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page_size = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return 0;
+  return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page_size);
+}
 
 std::uint64_t product(std::span<const std::uint64_t> shape, bool& overflow) {
   std::uint64_t n = 1;
@@ -1407,6 +1418,19 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
     return Handle::failed(Error(ErrorCode::kInvalidArgument,
                                 fmt::format("init of key {}: shape [{}] is too large", key,
                                             fmt::join(shape, ", "))));
+  }
+  // Every rank pulls the whole tensor into its own memory, so a tensor
+  // larger than this host's memory cannot be used here. Refused before any
+  // request: a rank other than 0 would otherwise send one init per chunk (a
+  // million for 4 TiB at the default partition_bytes) and the servers would
+  // hold each until rank 0's init, which can never come.
+  if (const std::uint64_t mem = host_memory_bytes(); mem != 0 && n * sizeof(float) > mem) {
+    return Handle::failed(Error(
+        ErrorCode::kTooLarge,
+        fmt::format("init of key {}: shape [{}] is {} of float32 but this host has {} of memory; "
+                    "every worker pulls the whole tensor, so split it into several keys",
+                    key, fmt::join(shape, ", "), format_bytes(n * sizeof(float)),
+                    format_bytes(mem))));
   }
   const bool rank0 = config.worker.rank == 0;
   if ((rank0 && values.size() != n) || (!rank0 && !values.empty() && values.size() != n)) {

@@ -212,8 +212,10 @@ class Worker {
   // Registers `key` as a float32 tensor of `shape` (product = elements;
   // up to 8 dims, a scalar has none). Rank 0 must pass the initial values
   // (values.size() == elements); other ranks may pass an empty span.
-  // Errors (in the Handle): kInvalidArgument (sizes), kShapeMismatch (the key
-  // exists with another shape), kWorkerLost (rank 0 lost while waiting).
+  // Errors (in the Handle): kInvalidArgument (sizes), kTooLarge (the tensor
+  // is larger than this host's physical memory: every rank pulls all of it),
+  // kShapeMismatch (the key exists with another shape), kWorkerLost (rank 0
+  // lost while waiting).
   Handle init(Key key, std::span<const std::uint64_t> shape, std::span<const float> values);
 
   // Errors: kNotFound (key not init-ed by this worker, or unknown on the

@@ -561,7 +561,9 @@ class Worker:
         """Registers `key` as a float32 tensor of `shape` (tuple or int;
         default: values' shape). Rank 0 passes the initial `values`; other
         ranks pass none and wait until rank 0 has registered it. Returns the
-        step to compute next (0 for a fresh job). Blocks."""
+        step to compute next (0 for a fresh job). Blocks. Raises EmberError
+        E_TOO_LARGE for a tensor larger than this host's memory (every rank
+        pulls all of it), E_SHAPE_MISMATCH when the key has another shape."""
         key = _key(key)
         v = None if values is None else _as_input(values)
         if shape is None:

@@ -211,6 +211,17 @@ def test_shapes_that_ctypes_would_wrap_or_that_differ_from_the_keys(server):
         assert w.push(44, 0.5) == 0
 
 
+def test_init_of_a_tensor_larger_than_the_host_is_too_large(server):
+    if os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >= 2**41:
+        pytest.skip("this host holds 2 TiB")
+    with ember.Worker(server.config_path, rank=0) as w:
+        with pytest.raises(ember.EmberError) as info:
+            w.init(45, shape=(2**39,))
+        assert info.value.code == ember.E_TOO_LARGE
+        assert "shape [549755813888] is 2 TiB" in info.value.message
+        w.init(45, values=np.zeros(2, np.float32))  # the key is still free
+
+
 def test_pipeline_used_after_its_worker_closed_says_closed(server):
     w = ember.Worker(server.config_path, rank=0)
     w.init(42, values=np.zeros(4, np.float32))

@@ -87,6 +87,36 @@ TEST(WorkerClient, ArgumentErrorsComeBackAsFailedHandles) {
   EXPECT_EQ(w->set_learning_rate(-0.1).wait().error().code(), ErrorCode::kInvalidArgument);
 }
 
+// A tensor larger than the host's memory cannot be pulled by any rank: init
+// refuses it at once, before any request. A rank other than 0 used to send
+// one init per chunk (2^19 of them here) and leave each parked on the server.
+TEST(WorkerClient, InitOfATensorLargerThanTheHostIsRefusedBeforeAnyRequest) {
+  const std::uint64_t memory = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                               static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t elements = std::uint64_t{1} << 39;  // 2 TiB of float32
+  if (memory >= elements * sizeof(float)) GTEST_SKIP() << "this host holds 2 TiB";
+  LocalServer s(base_config(2));
+  auto w1 = s.worker(1);
+  ASSERT_TRUE(w1);
+  const std::uint64_t huge[] = {elements};
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = w1->init(7, huge, {}).wait();
+  ASSERT_FALSE(r);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  EXPECT_EQ(r.error().code(), ErrorCode::kTooLarge);
+  EXPECT_NE(r.error().message().find("init of key 7: shape [549755813888] is 2 TiB"),
+            std::string::npos)
+      << r.error().to_string();
+  EXPECT_NE(r.error().message().find("of memory"), std::string::npos) << r.error().to_string();
+  EXPECT_EQ(w1->step(7), 0u);
+  // Nothing of the refused init stays: the key can be registered with a usable shape.
+  auto w0 = s.worker(0);
+  ASSERT_TRUE(w0);
+  auto i1 = w1->init(7, kShape, {});
+  ASSERT_TRUE(w0->init(7, kShape, kInit).wait());
+  ASSERT_TRUE(i1.wait());
+}
+
 TEST(WorkerClient, UnreachableServerFailsCreateWithTheAddress) {
   config::Config c = base_config(1);
   const std::string servers[] = {"127.0.0.1:1"};  // nothing listens on port 1
