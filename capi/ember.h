@@ -159,7 +159,9 @@ EMBER_API int ember_set_log_level(const char* level);
  *                             below -1 or above UINT32_MAX
  *   EMBER_E_CONFIG            the file is missing/unreadable/invalid, a bad
  *                             override, rank >= [cluster] num_workers, a
- *                             server with another [cluster] table
+ *                             server with another [cluster] table, two
+ *                             servers with different consistency, loss
+ *                             policy or [optimizer] settings
  *   EMBER_E_IO, EMBER_E_TIMEOUT  a server unreachable after the retries
  *                             (the message names the server and the knobs)
  *   EMBER_E_AUTH, EMBER_E_VERSION_MISMATCH, EMBER_E_PROTOCOL  handshake refused

@@ -1103,6 +1103,11 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
                      : 0;
   rb.optimizer = static_cast<std::uint8_t>(to_proto(config.optimizer.type));
   rb.nesterov = config.optimizer.type == config::OptimizerType::kMomentum && config.optimizer.nesterov;
+  const config::OptimizerConfig& o = config.optimizer;
+  const double numbers[] = {o.learning_rate, o.momentum,     o.beta1,
+                            o.beta2,         o.epsilon,      o.weight_decay,
+                            o.initial_accumulator};
+  rb.optimizer_check = proto::optimizer_check(numbers);
   const auto body_bytes = proto::encode_body(rb);
   send_message(ReplyTo{c.id, channel}, proto::reply_header(h), body_bytes);
 }

@@ -280,6 +280,10 @@ struct ServerLink {
   // The join found settings that differ from this worker's config; warned.
   std::atomic<bool> settings_warned{false};
   std::atomic<bool> optimizer_warned{false};  // the same, for [optimizer]
+  // What the last successful join of this server said of its settings
+  // (Impl::check_same_settings compares the servers); guarded by
+  // Impl::settings_mutex.
+  std::optional<proto::JoinReplyBody> settings;
   // Attempts of the last full reconnect cycle to this server when it failed
   // (0: the last connect succeeded). While set, a new request reconnects
   // with one attempt instead of a full cycle (connect(quick)), so after the
@@ -321,6 +325,7 @@ struct Worker::Impl {
   std::uint64_t small_limit = 0;
   std::unique_ptr<transport::Transport> transport;
   std::vector<std::unique_ptr<ServerLink>> servers;
+  std::mutex settings_mutex;  // guards every ServerLink::settings
   PendingTable pending;
   std::atomic<std::uint64_t> next_request_id{1};
   std::atomic<std::uint64_t> barrier_count{0};
@@ -432,6 +437,10 @@ struct Worker::Impl {
   Result<std::shared_ptr<transport::Connection>> connect(ServerLink& link, std::uint64_t gen,
                                                          bool quick = false);
   Status join(ServerLink& link);
+  // Refuses a server whose consistency, staleness, loss policy or
+  // [optimizer] differs from another server's of this job (a tensor cut over
+  // both would be updated two ways); records its settings otherwise.
+  Status check_same_settings(ServerLink& link, const proto::JoinReplyBody& body);
   // The link's open connection, reconnecting (and joining) when it is
   // closed. `after_resends`: a sender other than the re-sender; when the
   // connection was lost, it first waits (bounded by request_timeout) for the
@@ -704,6 +713,7 @@ Status Worker::Impl::join(ServerLink& link) {
     e.with_context(fmt::format("joining server {} at {}", link.index, link.address));
     return tl::unexpected(e);
   }
+  EMBER_TRY(check_same_settings(link, body));
   const std::string_view server_consistency =
       proto::consistency_name(static_cast<proto::Consistency>(body.consistency));
   log->debug("joined server {} ({}, {} shard(s))", link.index, server_consistency, body.num_shards);
@@ -743,6 +753,55 @@ Status Worker::Impl::join(ServerLink& link) {
               "[optimizer] table",
               link.index, link.address, server_optimizer, my_optimizer);
   }
+  return ok_status();
+}
+
+Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinReplyBody& body) {
+  auto consistency_text = [](const proto::JoinReplyBody& b) {
+    const auto c = static_cast<proto::Consistency>(b.consistency);
+    return fmt::format("consistency \"{}\"{}, on_worker_loss \"{}\"", proto::consistency_name(c),
+                       c == proto::Consistency::kSsp ? fmt::format(" (staleness {})", b.staleness)
+                                                     : "",
+                       proto::loss_policy_name(static_cast<proto::LossPolicy>(b.loss_policy)));
+  };
+  auto optimizer_text = [](const proto::JoinReplyBody& b) {
+    return fmt::format("optimizer \"{}\"{}",
+                       proto::optimizer_name(static_cast<proto::OptimizerCode>(b.optimizer)),
+                       b.nesterov != 0 ? " with Nesterov" : "");
+  };
+  std::lock_guard lock(settings_mutex);
+  for (const auto& other : servers) {
+    // A server compares with the others only: one that restarted with new
+    // settings in a one-server job is the job's new settings.
+    if (other.get() == &link || !other->settings) continue;
+    const proto::JoinReplyBody& o = *other->settings;
+    std::string what;
+    std::string_view table;
+    if (consistency_text(body) != consistency_text(o)) {
+      what = fmt::format("runs {}, but server {} ({}) runs {}", consistency_text(body), other->index,
+                         other->address, consistency_text(o));
+      table = "[server] consistency, staleness_steps and on_worker_loss";
+    } else if (optimizer_text(body) != optimizer_text(o)) {
+      what = fmt::format("applies {}, but server {} ({}) applies {}", optimizer_text(body),
+                         other->index, other->address, optimizer_text(o));
+      table = "[optimizer] table";
+    } else if (body.optimizer_check != 0 && o.optimizer_check != 0 &&
+               body.optimizer_check != o.optimizer_check) {
+      what = fmt::format("has other [optimizer] numbers than server {} ({}): learning_rate, "
+                         "momentum, beta1, beta2, epsilon, weight_decay or initial_accumulator "
+                         "differ",
+                         other->index, other->address);
+      table = "[optimizer] table";
+    } else {
+      continue;
+    }
+    return make_error(ErrorCode::kConfig,
+                      "server {} ({}) {}: the chunks of a tensor cut over both would be updated "
+                      "two ways. Give every server the same {} (compare `ember-server "
+                      "--print-config` of each) and restart the one that differs",
+                      link.index, link.address, what, table);
+  }
+  link.settings = body;
   return ok_status();
 }
 

@@ -187,7 +187,11 @@ class Pipeline;
 class Worker {
  public:
   // Connects to every server and joins. Errors: kConfig (invalid config,
-  // transport "rdma", a server with another [cluster] table), kIo / kTimeout
+  // transport "rdma", a server with another [cluster] table, two servers
+  // whose consistency, staleness, on_worker_loss, optimizer type or
+  // configured [optimizer] numbers differ: see the join reply in
+  // docs/wire-format.md; after a reconnect, requests to such a server fail
+  // with the same error), kIo / kTimeout
   // (a server unreachable after connect_retries), kIo (record_pattern on and
   // the recording file cannot be created), the pool's errors.
   static Result<std::unique_ptr<Worker>> create(const config::Config& config);

@@ -457,6 +457,7 @@ std::array<std::byte, sizeof(JoinReplyBody)> encode_body(const JoinReplyBody& bo
   w.server_index = to_le(body.server_index);
   w.num_shards = to_le(body.num_shards);
   w.staleness = to_le(body.staleness);
+  w.optimizer_check = to_le(body.optimizer_check);
   std::array<std::byte, sizeof w> out;
   std::memcpy(out.data(), &w, sizeof w);
   return out;
@@ -481,6 +482,12 @@ std::uint32_t partition_check(std::uint64_t partition_bytes) noexcept {
   return static_cast<std::uint32_t>(h ^ (h >> 32)) | 1u;
 }
 
+std::uint32_t optimizer_check(std::span<const double> numbers) noexcept {
+  std::uint64_t h = placement::mix64(numbers.size());
+  for (double d : numbers) h = placement::mix64(h ^ std::bit_cast<std::uint64_t>(d));
+  return static_cast<std::uint32_t>(h ^ (h >> 32)) | 1u;
+}
+
 JoinReplyBody decode_join_reply(std::span<const std::byte, sizeof(JoinReplyBody)> bytes) {
   JoinReplyBody w;
   std::memcpy(&w, bytes.data(), sizeof w);
@@ -489,6 +496,7 @@ JoinReplyBody decode_join_reply(std::span<const std::byte, sizeof(JoinReplyBody)
   w.server_index = from_le(w.server_index);
   w.num_shards = from_le(w.num_shards);
   w.staleness = from_le(w.staleness);
+  w.optimizer_check = from_le(w.optimizer_check);
   return w;
 }
 

@@ -227,9 +227,20 @@ struct JoinReplyBody {
   std::uint64_t staleness;     // 16 SSP bound s (0 otherwise)
   std::uint8_t optimizer;      // 24 OptimizerCode
   std::uint8_t nesterov;       // 25 1: Nesterov momentum (optimizer momentum only)
-  std::uint8_t reserved[6];    // 26 zero
+  std::uint8_t reserved[2];    // 26 zero
+  // 28: optimizer_check() of the server's configured [optimizer] numbers; a
+  // worker refuses servers of one job whose checks differ. 0: not sent.
+  std::uint32_t optimizer_check;
 };
 static_assert(sizeof(JoinReplyBody) == 32);
+static_assert(offsetof(JoinReplyBody, optimizer_check) == 28);
+
+// A 32-bit digest (never 0) of an [optimizer] table's numbers: learning_rate
+// (as configured, not as set at run time), momentum, beta1, beta2, epsilon,
+// weight_decay, initial_accumulator, in that order, by their bit patterns
+// (placement::mix64 chained). Equal tables give equal checks; different
+// ones differ but for a 2^-32 chance.
+std::uint32_t optimizer_check(std::span<const double> numbers) noexcept;
 static_assert(offsetof(JoinReplyBody, staleness) == 16);
 static_assert(offsetof(JoinReplyBody, optimizer) == 24);
 

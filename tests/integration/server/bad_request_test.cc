@@ -369,6 +369,57 @@ TEST_F(BadRequests, WorkerWithAnotherClusterTableFailsToJoin) {
   EXPECT_NE(w.error().message().find("[cluster]"), std::string::npos) << w.error().to_string();
 }
 
+// Servers of one job that disagree on consistency or [optimizer] would update
+// the chunks of one tensor two ways (a helper's run: asp on one of three
+// servers gave chunks at -40 beside -20, nothing logged). The worker compares
+// the servers' join replies and refuses the one that differs, naming both.
+TEST(BadRequestsServers, ServersWithDifferentSettingsAreRefusedAtJoin) {
+  struct Case {
+    std::vector<std::string> server1_args;
+    std::vector<std::string> expected;
+  };
+  const Case cases[] = {
+      {{"--set", "server.consistency=asp"},
+       {"runs consistency \"asp\", on_worker_loss \"wait\", but server 0 (",
+        ") runs consistency \"bsp\", on_worker_loss \"wait\"",
+        "Give every server the same [server] consistency, staleness_steps and on_worker_loss"}},
+      {{"--set", "optimizer.type=adam"},
+       {"applies optimizer \"adam\", but server 0 (", ") applies optimizer \"sgd\""}},
+      {{"--set", "optimizer.learning_rate=0.2"},
+       {"has other [optimizer] numbers than server 0 (",
+        "Give every server the same [optimizer] table"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.server1_args[1]);
+    TempDir dir;
+    ClusterSpec spec;
+    spec.num_servers = 2;
+    ServerProcess s0(dir, spec, 0);
+    ServerProcess s1(dir, spec, 1, c.server1_args);
+    ASSERT_TRUE(s0.ok() && s1.ok());
+    auto w = Worker::create(worker_config(spec, {s0.address(), s1.address()}, 0));
+    ASSERT_FALSE(w) << "a worker joined servers with different settings";
+    EXPECT_EQ(w.error().code(), ErrorCode::kConfig) << w.error().to_string();
+    const std::string text = w.error().to_string();
+    EXPECT_NE(text.find("server 1 (" + s1.address() + ") "), std::string::npos) << text;
+    for (const std::string& e : c.expected) EXPECT_NE(text.find(e), std::string::npos) << text;
+  }
+  // The same settings join, also after a worker set another learning rate
+  // at run time (the check is of the configured numbers).
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_servers = 2;
+  spec.num_workers = 2;
+  ServerProcess s0(dir, spec, 0);
+  ServerProcess s1(dir, spec, 1);
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  auto w0 = Worker::create(worker_config(spec, {s0.address(), s1.address()}, 0));
+  ASSERT_TRUE(w0) << w0.error().to_string();
+  ASSERT_TRUE((*w0)->set_learning_rate(0.5).wait());
+  auto w1 = Worker::create(worker_config(spec, {s0.address(), s1.address()}, 1));
+  EXPECT_TRUE(w1) << w1.error().to_string();
+}
+
 // A reply placement (proto::kFlagInPlace) the server cannot write — past
 // the end of the worker's region, an unknown region, or over tcp, where no
 // worker memory is mapped — is ignored: the data comes as usual, one

@@ -150,7 +150,9 @@ TEST(Proto, JoinBodiesRoundTrip) {
   Header r = reply_header(h);
   JoinReplyBody rb{4, 2, 1, static_cast<std::uint8_t>(Consistency::kSsp),
                    static_cast<std::uint8_t>(LossPolicy::kShrink), 3, 5,
-                   static_cast<std::uint8_t>(OptimizerCode::kMomentum), 1, {}};
+                   static_cast<std::uint8_t>(OptimizerCode::kMomentum), 1, {}, 0};
+  const double numbers[] = {0.1, 0.9, 0.9, 0.999, 1e-8, 0.0, 0.1};
+  rb.optimizer_check = optimizer_check(numbers);
   const auto reply_bytes = encode_message(r, {}, encode_body(rb));
   auto rm = decode(reply_bytes);
   ASSERT_TRUE(rm) << rm.error().to_string();
@@ -160,6 +162,15 @@ TEST(Proto, JoinBodiesRoundTrip) {
   EXPECT_EQ(rback.consistency, static_cast<std::uint8_t>(Consistency::kSsp));
   EXPECT_EQ(rback.optimizer, static_cast<std::uint8_t>(OptimizerCode::kMomentum));
   EXPECT_EQ(rback.nesterov, 1u);
+  EXPECT_EQ(rback.optimizer_check, rb.optimizer_check);
+  // The check is never 0 (0 = not stated) and changes with any number.
+  EXPECT_NE(rb.optimizer_check, 0u);
+  for (std::size_t i = 0; i < std::size(numbers); ++i) {
+    double other[std::size(numbers)];
+    std::copy(std::begin(numbers), std::end(numbers), other);
+    other[i] = other[i] == 0.0 ? 1e-4 : other[i] * 2;
+    EXPECT_NE(optimizer_check(other), rb.optimizer_check) << "number " << i;
+  }
   EXPECT_EQ(optimizer_name(OptimizerCode::kAdamW), "adamw");
   EXPECT_EQ(optimizer_name(static_cast<OptimizerCode>(9)), "unknown");
   // A 24-byte reply (a server built before the optimizer field) is refused
