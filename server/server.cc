@@ -557,6 +557,15 @@ Status Server::Impl::restore_checkpoint() {
   }
   log->info("restored checkpoint '{}': sequence {}, {} tensor chunk(s), learning rate {}",
             loaded.path.string(), d.sequence, n, rate_in_force);
+  // The checkpoint's rate resumes the run as it was (a rate set at run time
+  // included); one lowered in the config after a divergence would otherwise
+  // be ignored without a word.
+  if (rate_in_force != config.optimizer.learning_rate) {
+    log->warn("checkpoint '{}' holds learning rate {}, the rate in force when it was written; it "
+              "applies, not [optimizer] learning_rate {} of this config. To change it, call "
+              "set_learning_rate from a worker after the restore",
+              loaded.path.string(), rate_in_force, config.optimizer.learning_rate);
+  }
   return ok_status();
 }
 

@@ -236,6 +236,44 @@ TEST(ServerRecovery, CorruptCheckpointsAreMovedAsideAndNeverDisplaceValidOnes) {
   EXPECT_EQ(kept, (std::vector<std::uint64_t>{7, 2, 1}));
 }
 
+// The checkpoint's learning rate (the one in force) applies after a restore;
+// a config that says another one is named in a warning, not ignored
+// silently (a helper lowered the rate after a divergence and got the old one).
+TEST(ServerRecovery, ACheckpointRateOtherThanTheConfigsIsAppliedWithAWarning) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.optimizer = "sgd";
+  spec.learning_rate = 1.0;
+  spec.checkpoint_dir = (dir / "ckpt").string();
+  const std::uint64_t shape[] = {4};
+  {
+    ServerProcess a(dir, spec, 0);
+    ASSERT_TRUE(a.ok());
+    auto w = connect_worker(spec, a.address(), 0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(1, shape, std::vector<float>(4, 0.0f)).wait());
+    ASSERT_TRUE(w->checkpoint().wait());
+  }
+  ClusterSpec lowered = spec;
+  lowered.learning_rate = 0.25;
+  ServerProcess b(dir, lowered, 0);
+  ASSERT_TRUE(b.ok());
+  auto w = connect_worker(lowered, b.address(), 0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(1, shape, std::vector<float>(4, 0.0f)).wait());
+  std::vector<float> got(4);
+  ASSERT_TRUE(w->push_pull(1, std::vector<float>(4, 1.0f), got).wait());
+  EXPECT_EQ(got, std::vector<float>(4, -1.0f));  // rate 1, the checkpoint's
+  EXPECT_NE(b.log().find("holds learning rate 1, the rate in force when it was written; it "
+                         "applies, not [optimizer] learning_rate 0.25 of this config"),
+            std::string::npos)
+      << b.log();
+  // set_learning_rate changes it, as the warning says.
+  ASSERT_TRUE(w->set_learning_rate(0.25).wait());
+  ASSERT_TRUE(w->push_pull(1, std::vector<float>(4, 1.0f), got).wait());
+  EXPECT_EQ(got, std::vector<float>(4, -1.25f));
+}
+
 // An unusable checkpoint_dir is refused at start, naming the path, the errno
 // text and the knob, not found out at SIGTERM after the whole job.
 // A checkpoint cut with another partition_bytes, or written by a job with
