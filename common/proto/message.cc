@@ -437,7 +437,13 @@ std::vector<std::byte> encode_error_reply(const Header& request, const Error& er
   Header h = reply_header(request);
   h.status = error.code() == ErrorCode::kOk ? ErrorCode::kInternal : error.code();
   h.num_elements = 0;
-  const std::string& text = error.message();
+  // The reply carries no errno field: a system error's cause goes into the
+  // text ("...: No space left on device (errno 28)"), as in to_string().
+  std::string text = error.message();
+  if (error.sys_errno() != 0) {
+    const std::string full = error.to_string();
+    text = full.substr(full.find(": ") + 2);  // to_string() without the code name
+  }
   const std::size_t n = std::min(text.size(), kMaxErrorTextBytes);
   return encode_message(h, {}, std::as_bytes(std::span<const char>(text.data(), n)));
 }

@@ -2,6 +2,7 @@
 // type and one test per rejection rule of the decoder.
 #include "common/proto/message.h"
 
+#include <cerrno>
 #include <cstring>
 #include <random>
 
@@ -204,6 +205,16 @@ TEST(Proto, ErrorReplyCarriesCodeAndText) {
   EXPECT_EQ(m->header.status, ErrorCode::kStale);
   EXPECT_EQ(m->text(), "step 3 is over");
   EXPECT_EQ(m->header.request_id, 42u);
+}
+
+// A system error's cause reaches the worker (a checkpoint on a full disk
+// used to say only "write '...' failed").
+TEST(Proto, ErrorReplyOfASystemErrorNamesTheCause) {
+  auto bytes = encode_error_reply(push_header(3), Error(ErrorCode::kIo, "write 'x.tmp' failed", ENOSPC));
+  auto m = decode(bytes);
+  ASSERT_TRUE(m) << m.error().to_string();
+  EXPECT_EQ(m->header.status, ErrorCode::kIo);
+  EXPECT_EQ(m->text(), "write 'x.tmp' failed: No space left on device (errno 28)");
 }
 
 TEST(Proto, ErrorReplyTextIsTruncated) {
