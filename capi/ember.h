@@ -230,7 +230,11 @@ EMBER_API int ember_buffer_info(const ember_worker* worker, const void* data, si
  * Blocks until every server holding part of the tensor has answered.
  * Ownership: shape and values are read during the call only.
  * out_step: the step to compute next (0 for a fresh job; later after a
- * restart of this worker).
+ * restart of this worker). After such a restart (rejoin) the steps of keys
+ * can differ by one (keys pushed before the restart are ahead): resume at
+ * the smallest step s, and in step s pull, not push, the keys whose
+ * ember_step is already s + 1, or every worker waits until request_timeout
+ * (docs/troubleshooting.md#worker-loss).
  * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL, shape NULL with ndim > 0,
  *   values NULL with num_values > 0, more than 8 dims, num_values not the
  *   element count), EMBER_E_TOO_LARGE (the tensor is larger than this

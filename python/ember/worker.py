@@ -563,7 +563,13 @@ class Worker:
         ranks pass none and wait until rank 0 has registered it. Returns the
         step to compute next (0 for a fresh job). Blocks. Raises EmberError
         E_TOO_LARGE for a tensor larger than this host's memory (every rank
-        pulls all of it), E_SHAPE_MISMATCH when the key has another shape."""
+        pulls all of it), E_SHAPE_MISMATCH when the key has another shape.
+
+        A worker restarted with the same rank (rejoin) gets the job's step
+        per key; keys it pushed before it died are one step ahead. Resume at
+        the smallest step s, and in step s pull rather than push the keys
+        whose step(key) is already s + 1, or every worker waits until
+        request_timeout (docs/troubleshooting.md#worker-loss)."""
         key = _key(key)
         v = None if values is None else _as_input(values)
         if shape is None:

@@ -181,3 +181,45 @@ def test_result_timeouts_inf_huge_and_nan(server):
         with pytest.raises(ValueError, match="nan"):
             f.result(timeout=float("nan"))
         assert f.result() == 2
+
+
+def test_rejoin_mid_step_follows_the_documented_rule(start_server):
+    """A rank that died after pushing some of a step's keys rejoins with
+    per-key steps one apart; the rule of init's docstring (resume at the
+    smallest step, pull the keys already past it) completes the round, and
+    the job goes on with the same parameters as without the restart."""
+    s = start_server(num_workers=2, learning_rate=0.5)
+    shape = (2,)
+    w0 = ember.Worker(s.config_path, rank=0)
+    w1 = ember.Worker(s.config_path, rank=1)
+    try:
+        t = threading.Thread(target=lambda: [w1.init(k, shape) for k in (1, 2)])
+        t.start()
+        for k in (1, 2):
+            w0.init(k, values=np.zeros(2, np.float32))
+        t.join()
+        # Step 0: rank 0 pushes both keys; rank 1 pushes key 1 only, then dies.
+        f = [w0.push_pull_async(k, np.ones(2)) for k in (1, 2)]
+        w1.push_pull(1, np.full(2, 3.0))
+        f[0].result()
+        w1.close()
+        w1 = ember.Worker(s.config_path, rank=1)
+        steps = {k: w1.init(k, shape) for k in (1, 2)}
+        assert steps == {1: 1, 2: 0}
+        s0 = min(steps.values())
+        for k in (1, 2):
+            if w1.step(k) > s0:
+                w1.pull(k)
+            else:
+                w1.push_pull(k, np.full(2, 3.0))
+        f[1].result(timeout=10)
+        # Step 1 on both ranks, each key at step 1 now.
+        assert [w1.step(k) for k in (1, 2)] == [1, 1]
+        f = [w0.push_pull_async(k, np.ones(2)) for k in (1, 2)]
+        got = [w1.push_pull(k, np.full(2, 3.0)) for k in (1, 2)]
+        for k in (0, 1):
+            np.testing.assert_array_equal(f[k].result(timeout=10), got[k])
+            np.testing.assert_array_equal(got[k], np.full(2, -2.0, np.float32))  # 2 x 0.5 x mean 2
+    finally:
+        w0.close()
+        w1.close()
