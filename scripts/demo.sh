@@ -23,6 +23,9 @@
 # server applies each worker's gradient on arrival instead of their average.
 # The one-process baseline uses lr under bsp and N * lr under asp and ssp (0.05
 # with the defaults), --lr included.
+# Bounds: --workers 1..256, --servers 1..64, --epochs 1..10000, --batch-size
+# 1..60000 with workers x batch-size <= 60000 (the training set), --seed below
+# 10^19, --lr positive and finite.
 # --min-accuracy is the test accuracy every worker must reach (default 0.85
 # for bsp with >= 3 epochs, else 0.5, which only catches a diverged run).
 # Exit status 0 when everything worked; non-zero when a step failed (build, a
@@ -52,6 +55,7 @@ min_accuracy=""; keep_logs=0; lr=""
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 die() { echo "demo: $*" >&2; exit 2; }
 while (($#)); do
+  case "$1" in --keep-logs=*|--help=*|-h=*) die "${1%%=*} takes no value (got '$1')" ;; esac
   # --option=value is --option value.
   if [[ $1 =~ ^(--[a-z-]+)=(.*)$ ]]; then
     set -- "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" "${@:2}"
@@ -73,11 +77,15 @@ while (($#)); do
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-[[ $workers =~ ^[1-9][0-9]*$ ]] || die "--workers must be a number >= 1 (got '$workers')"
-[[ $servers =~ ^[1-9][0-9]*$ ]] || die "--servers must be a number >= 1 (got '$servers')"
-[[ $epochs =~ ^[1-9][0-9]*$ ]] || die "--epochs must be a number >= 1 (got '$epochs')"
-[[ $batch =~ ^[1-9][0-9]*$ ]] || die "--batch-size must be a number >= 1 (got '$batch')"
-[[ $seed =~ ^[0-9]+$ ]] || die "--seed must be a non-negative integer (got '$seed')"
+# The bounds are the workers' own (examples/fashion_mnist/cli.h), checked
+# here so that a bad value exits 2 before any process starts; the server and
+# worker counts are processes of this machine (each with its own page pool).
+in_range() { [[ $1 =~ ^[1-9][0-9]*$ ]] && ((${#1} <= 6 && $1 <= $2)); }
+in_range "$workers" 256 || die "--workers must be a number from 1 to 256 (got '$workers')"
+in_range "$servers" 64 || die "--servers must be a number from 1 to 64 (got '$servers')"
+in_range "$epochs" 10000 || die "--epochs must be a number from 1 to 10000 (got '$epochs')"
+in_range "$batch" 60000 || die "--batch-size must be a number from 1 to 60000 (got '$batch')"
+[[ $seed =~ ^[0-9]{1,19}$ ]] || die "--seed must be a non-negative integer of at most 19 digits (got '$seed')"
 case "$transport" in tcp|shm) ;; *) die "--transport must be tcp or shm (got '$transport')" ;; esac
 case "$mode" in bsp|asp|ssp) ;; *) die "--mode must be bsp, asp or ssp (got '$mode')" ;; esac
 # Lengths first: the product of two long numbers would overflow bash's arithmetic.
@@ -90,8 +98,9 @@ fi
 if [[ -z $lr ]]; then
   if [[ $mode == bsp ]]; then lr=0.05; else lr=$(awk -v n="$workers" 'BEGIN { printf "%.6g", 0.05 / n }'); fi
 fi
-if [[ ! $lr =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || ! awk -v x="$lr" 'BEGIN { exit !(x + 0 > 0) }'; then
-  die "--lr must be a positive number (got '$lr')"
+if [[ ! $lr =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] ||
+   ! awk -v x="$lr" 'BEGIN { v = x + 0; exit !(v > 0 && v < 1e300) }'; then
+  die "--lr must be a positive finite number (got '$lr')"
 fi
 # The one-process baseline takes the step the job takes per round: bsp applies
 # the mean of the N gradients with lr (a batch of N*B at lr), asp and ssp
