@@ -674,6 +674,17 @@ Status Server::Impl::init(const config::Config& cfg) {
   }
   listener = std::move(*l);
   address = listener->address();
+  // An shm listener's name is the address text, and workers use the text of
+  // [cluster] servers: a --listen spelled otherwise ("127.0.0.1:7000" for
+  // "localhost:7000") is a server no worker of this config finds.
+  if (const config::HostPort& entry = config.cluster.servers.at(sc.server_index);
+      kind == transport::Kind::kShm && sc.listen && sc.listen->port == entry.port &&
+      sc.listen->host != entry.host) {
+    log->warn("listening over shm as '{}', but [cluster] servers names this server '{}': shm "
+              "workers look for '{}' and will not find this server; spell --listen (or [server] "
+              "listen) as in [cluster] servers",
+              listen_at, entry.to_string(), proto::endpoint_address(kind, entry));
+  }
 
   if (sc.metrics_listen) {
     EMBER_ASSIGN_OR_RETURN(

@@ -2261,7 +2261,9 @@ class ShmTransport final : public Transport {
       return tl::unexpected<Error>(std::move(e));
     };
     if (::connect(fd, reinterpret_cast<sockaddr*>(&sa.first), sa.second) != 0 && errno != EINPROGRESS) {
-      return fail(Error(ErrorCode::kIo, "connect failed (is the server running on this host?)", errno));
+      return fail(Error(ErrorCode::kIo, "connect failed (is the server running on this host? shm finds a "
+                                            "server by the exact host:port text it listens on: "
+                                            "'localhost:7000' and '127.0.0.1:7000' are two names)", errno));
     }
     if (auto s = stream_io::wait_ready(fd, POLLOUT, deadline, "shm connect", cancel_fd); !s) return fail(s.error());
     handshake::Hello hello;

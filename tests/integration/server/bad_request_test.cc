@@ -420,6 +420,35 @@ TEST(BadRequestsServers, ServersWithDifferentSettingsAreRefusedAtJoin) {
   EXPECT_TRUE(w1) << w1.error().to_string();
 }
 
+// Over shm a server is found by the text of its address: a --listen spelled
+// otherwise than its [cluster] servers entry is a server no worker of that
+// config finds. The server warns at start, and the worker's error says why.
+TEST(BadRequestsServers, ShmListenSpelledOtherwiseThanTheServerListIsNamed) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.transport = "shm";
+  const std::uint32_t port = 20000 + (static_cast<std::uint32_t>(::getpid()) * 389) % 40000;
+  const std::string entry = fmt::format("localhost:{}", port);
+  const std::string listen = fmt::format("127.0.0.1:{}", port);
+  write_file(dir / "shm.toml", cluster_toml(spec, {entry}));
+  Process server(server_binary(), {"--config", (dir / "shm.toml").string(), "--listen", listen},
+                 dir / "server.log");
+  ASSERT_TRUE(server.wait_line("ember-server ready", 30s)) << read_file(dir / "server.log");
+  const std::string log = read_file(dir / "server.log");
+  EXPECT_NE(log.find(fmt::format("listening over shm as '@ember-{}', but [cluster] servers names "
+                                 "this server '{}': shm workers look for '@ember-{}'",
+                                 listen, entry, entry)),
+            std::string::npos)
+      << log;
+  config::Config c = worker_config(spec, {entry}, 0);
+  ASSERT_TRUE(config::set_value(c, "worker.connect_retries", "1"));
+  auto w = Worker::create(c);
+  ASSERT_FALSE(w);
+  EXPECT_NE(w.error().to_string().find("'localhost:7000' and '127.0.0.1:7000' are two names"),
+            std::string::npos)
+      << w.error().to_string();
+}
+
 // A reply placement (proto::kFlagInPlace) the server cannot write — past
 // the end of the worker's region, an unknown region, or over tcp, where no
 // worker memory is mapped — is ignored: the data comes as usual, one
