@@ -41,6 +41,23 @@ tl::unexpected<Error> config_error(std::string message, int sys_errno = 0) {
   return tl::unexpected<Error>(Error(ErrorCode::kConfig, std::move(message), sys_errno));
 }
 
+// `text` with control characters as TOML escapes (\u0000): a value quoted
+// in a message may hold a NUL, which would end the message where a C string
+// or a terminal stops, or a newline that would fake another issue's line.
+std::string printable(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      out += fmt::format("\\u{:04x}", u);
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 // Joins issues sorted by line as "<source>:<line>: <message>" lines.
 tl::unexpected<Error> issues_error(std::string_view source, std::vector<Issue> issues) {
   std::stable_sort(issues.begin(), issues.end(),
@@ -49,9 +66,9 @@ tl::unexpected<Error> issues_error(std::string_view source, std::vector<Issue> i
   for (const Issue& issue : issues) {
     if (!out.empty()) out += '\n';
     if (issue.line > 0) {
-      out += fmt::format("{}:{}: {}", source, issue.line, issue.message);
+      out += fmt::format("{}:{}: {}", source, issue.line, printable(issue.message));
     } else {
-      out += fmt::format("{}: {}", source, issue.message);
+      out += fmt::format("{}: {}", source, printable(issue.message));
     }
   }
   return config_error(std::move(out));

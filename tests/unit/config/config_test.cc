@@ -465,6 +465,11 @@ TEST(ConfigErrors, BadAddresses) {
               HasSubstr("\"localhost:7070\" (element [1]) is the same server as \"127.0.0.1:7070\" "
                         "(element [0]) under another name"));
   parse_ok("[cluster]\nservers = [\"127.0.0.1:7070\", \"localhost:7071\"]\n");
+  // A control character in a quoted value is shown escaped: a NUL used to
+  // end the message there.
+  EXPECT_THAT(parse_error("[server]\nlisten = \"a\\u0000b\\nc:7000\"\n"),
+              HasSubstr("cfg.toml:2: key 'server.listen': 'a\\u0000b\\u000ac:7000': 'a\\u0000b\\u000ac' "
+                        "is not a host name or IPv4 address"));
   EXPECT_THAT(parse_error("[cluster]\nservers = [\"a:0\"]\n"),
               HasSubstr("port 0 is not in 1 .. 65535"));
   EXPECT_THAT(parse_error("[cluster]\nservers = [\"a:70000\"]\n"),
