@@ -1524,7 +1524,10 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
     }
     ks = slot;
   }
-  auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()));
+  auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()),
+                   fmt::format("init of key {} on server {}{}", key, ks->servers,
+                               rank0 ? "" : " (it waits until rank 0 has registered the key: is "
+                                            "rank 0 running and calling init of it?)"));
   op->before_done = [ks](const Result<std::uint64_t>& r) {
     if (r) ks->next_step.store(*r, std::memory_order_release);
   };

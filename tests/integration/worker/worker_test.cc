@@ -117,6 +117,23 @@ TEST(WorkerClient, InitOfATensorLargerThanTheHostIsRefusedBeforeAnyRequest) {
   ASSERT_TRUE(i1.wait());
 }
 
+// A rank other than 0 waits in init for rank 0's registration; when that
+// never comes, the timeout names the key and what it waited for.
+TEST(WorkerClient, InitWaitingForRankZeroTimesOutNamingTheKeyAndRankZero) {
+  config::Config c = base_config(2);
+  ASSERT_TRUE(config::set_value(c, "worker.request_timeout", "300ms"));
+  LocalServer s(c);
+  auto w1 = s.worker(1);
+  ASSERT_TRUE(w1);
+  auto r = w1->init(9, kShape, {}).wait();
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kTimeout);
+  EXPECT_NE(r.error().message().find("init of key 9 on server 0 (it waits until rank 0 has "
+                                     "registered the key"),
+            std::string::npos)
+      << r.error().to_string();
+}
+
 TEST(WorkerClient, UnreachableServerFailsCreateWithTheAddress) {
   config::Config c = base_config(1);
   const std::string servers[] = {"127.0.0.1:1"};  // nothing listens on port 1
