@@ -87,6 +87,18 @@ set +e
 set -e
 [[ $rc == 2 ]] || fail "emberctl without a subcommand: rc=$rc, expected 2 (bad usage)"
 [[ $rc2 == 2 ]] && grep -q -- "--config FILE" "$tmp/err" || fail "status without targets: rc=$rc2"
+# A missing or misspelt command is named, with the list of commands.
+set +e
+"$ctl" >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+grep -q "a command is needed:" "$tmp/err" && grep -q "emberctl status: servers up" "$tmp/err" \
+  || fail "emberctl without a command does not list them: $(cat "$tmp/err")"
+set +e
+"$ctl" statsu >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+[[ $rc == 2 ]] || fail "emberctl statsu: rc=$rc, expected 2"
+grep -q "unknown command 'statsu'; the commands are:" "$tmp/err" && grep -q "emberctl stats: every metric" "$tmp/err" \
+  || fail "a misspelt command is not named: $(cat "$tmp/err")"
 # config without its subcommand names it.
 set +e
 "$ctl" config >/dev/null 2>"$tmp/err"; rc=$?

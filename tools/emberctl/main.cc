@@ -337,7 +337,10 @@ int cmd_record(const std::string& path) {
 
 int run(int argc, char** argv) {
   CLI::App app{"emberctl: status, stats, checkpoints, config checks and tuning for Ember"};
-  app.require_subcommand(1);
+  // Not require_subcommand(1): CLI11 then says "A subcommand is required"
+  // for a missing and for a misspelt one alike; the checks around parse()
+  // name the word and list the commands.
+  app.require_subcommand(0, 1);
   std::string config_path;
   std::vector<std::string> metrics;
   std::string timeout_text = "5s";
@@ -400,10 +403,27 @@ int run(int argc, char** argv) {
   std::string record_file;
   record_cmd->add_option("file", record_file, "the file written with record_pattern = true")->required();
 
+  auto command_list = [&app] {
+    std::string names;
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+      names += fmt::format("\n  emberctl {}: {}", sub->get_name(), sub->get_description());
+    }
+    return names;
+  };
+  if (argc > 1 && argv[1][0] != '-' &&
+      app.get_subcommands([&](const CLI::App* sub) { return sub->get_name() == argv[1]; })
+          .empty()) {
+    return usage_error(fmt::format("unknown command '{}'; the commands are:{}", argv[1],
+                                   command_list()));
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return ember::cli_exit(app, e);
+  }
+  if (app.get_subcommands().empty()) {
+    return usage_error("a command is needed:" + command_list() +
+                       "\n(emberctl <command> --help for its options)");
   }
   if (*status || *stats || *checkpoint) {
     auto timeout = parse_timeout(timeout_text);
