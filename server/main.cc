@@ -64,7 +64,8 @@ int run(int argc, char** argv) {
                  "HOST:PORT to bind, overriding server.listen (port 0: any free port)");
   app.add_option("--set", overrides, "override one key: table.key=value (repeatable)");
   CLI::Option* check = app.add_flag("--check-config", check_config,
-                                    "validate the configuration and exit (0 = valid, 1 = not)");
+                                    "validate the configuration and exit (0 = valid, 1 = not): the file, the listen "
+                                    "address, shard CPUs and that checkpoint_dir is usable");
   app.add_flag("--print-config", print_config,
                "print the effective configuration, defaults included, and exit (1 if the file "
                "or a --set is invalid); not with --check-config")
@@ -99,6 +100,10 @@ int run(int argc, char** argv) {
       return 1;
     }
     if (auto s = ember::server::check_shard_cpus(config); !s) {
+      std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
+      return 1;
+    }
+    if (auto s = ember::server::check_checkpoint_dir(config); !s) {
       std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
       return 1;
     }

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -18,6 +19,9 @@
 #include <tuple>
 #include <unordered_map>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -1473,6 +1477,42 @@ Status check_listen_address(const config::Config& config) {
                       "[communication] auth_token to a shared secret on the server and the workers",
                       address);
   }
+  return ok_status();
+}
+
+Status check_checkpoint_dir(const config::Config& config) {
+  const std::string& dir = config.server.checkpoint_dir;
+  if (dir.empty()) return ok_status();
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path target = fs::absolute(dir, ec);
+  if (ec) target = dir;
+  // The nearest existing path: the directory itself, or the parent the
+  // start will create it in.
+  fs::path at = target;
+  while (!fs::exists(at, ec) && at.has_parent_path() && at.parent_path() != at) {
+    at = at.parent_path();
+  }
+  auto refuse = [&](const std::string& why) -> Status {
+    return tl::unexpected(Error(
+        ErrorCode::kConfig,
+        fmt::format("[server] checkpoint_dir '{}': {}; point it at a writable directory, or set it "
+                    "to \"\" to turn checkpoints off",
+                    dir, why)));
+  };
+  if (!fs::is_directory(at, ec)) {
+    return refuse(at == target ? std::string("is not a directory")
+                               : fmt::format("cannot be created: '{}' is not a directory",
+                                             at.string()));
+  }
+  const fs::path probe = at / fmt::format(".ember-write-probe-{}", ::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    return refuse(fmt::format("cannot create a file in '{}' ({})", at.string(), std::strerror(err)));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
   return ok_status();
 }
 

@@ -92,4 +92,12 @@ Status check_listen_address(const config::Config& config);
 // key, the CPU and the allowed CPUs.
 Status check_shard_cpus(const config::Config& config);
 
+// What `ember-server --check-config` checks of server.checkpoint_dir (when
+// set), without creating it: an existing path must be a directory this
+// process can create files in; a missing one needs its nearest existing
+// parent to be such a directory (the start creates it). Tries by creating
+// and removing a probe file ".ember-write-probe-<pid>". Errors: kConfig
+// naming the key, the path and why (errno text).
+Status check_checkpoint_dir(const config::Config& config);
+
 }  // namespace ember::server

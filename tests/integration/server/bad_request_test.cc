@@ -633,6 +633,23 @@ TEST(ServerCli, CheckConfigRefusesBadFilesWithFileAndLine) {
                                  "auth token"),
             std::string::npos)
       << open_listen.err;
+  // A checkpoint_dir the start could not use (it used to pass here).
+  write_file(dir / "afile", "x");
+  for (const auto& [path, why] : std::vector<std::pair<std::string, std::string>>{
+           {(dir / "afile").string(), "': is not a directory; point it at a writable directory"},
+           {(dir / "afile" / "sub").string(),
+            "': cannot be created: '" + (dir / "afile").string() + "' is not a directory"}}) {
+    auto r = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--set",
+                           "server.checkpoint_dir=" + path, "--check-config"});
+    EXPECT_EQ(r.status, 1) << path << ": " << r.out;
+    EXPECT_NE(r.err.find("[server] checkpoint_dir '" + path + why), std::string::npos) << r.err;
+  }
+  // A directory still to be made under a writable one is fine, and is not made.
+  auto fresh = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--set",
+                             "server.checkpoint_dir=" + (dir / "new" / "ckpt").string(),
+                             "--check-config"});
+  EXPECT_EQ(fresh.status, 0) << fresh.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "new"));
   auto missing = run_cli(dir, {"--config", (dir / "nope.toml").string(), "--check-config"});
   EXPECT_EQ(missing.status, 1);
   EXPECT_NE(missing.err.find("nope.toml"), std::string::npos) << missing.err;
