@@ -800,6 +800,12 @@ std::vector<int> open_connections(const std::string& address, int n) {
 // stop accepting for good after that, so a liveness probe on /metrics
 // would kill a healthy server; both listeners now retry and say so once.
 TEST(ServerMetrics, EndpointAndListenerRecoverAfterDescriptorsRunOut) {
+#if defined(__SANITIZE_ADDRESS__)
+  // The asan preset is ASan+UBSan. UBSan's vptr check probes memory through
+  // a pipe; with no descriptor left it takes every object for a bad one
+  // ("invalid vptr", "memory cannot be printed") and aborts the server.
+  GTEST_SKIP() << "UBSan cannot check vptrs in a process out of file descriptors";
+#endif
   TempDir dir;
   ClusterSpec spec;
   ServerProcess server(dir, spec, 0);
