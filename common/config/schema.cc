@@ -1,9 +1,13 @@
 // The configuration schema: one row per TOML key; see schema.h.
 #include "common/config/schema.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <set>
 
@@ -67,11 +71,31 @@ std::string double_text(double v) {
 // other ("0.0.0.0" every IPv4 host, "::" every host under Linux's default
 // dual-stack sockets). Other host names are compared as written.
 bool same_socket_host(std::string_view a, std::string_view b) {
-  auto norm = [](std::string_view h) { return h == "localhost" ? std::string_view("127.0.0.1") : h; };
-  a = norm(a);
-  b = norm(b);
+  // Address literals in their canonical text, so that every spelling of one
+  // address compares equal: "127.1" and "0x7f.1" (inet_aton's forms) are
+  // 127.0.0.1, "::ffff:127.0.0.1" (IPv4-mapped) too, "0:0::1" is "::1".
+  auto norm = [](std::string_view h) -> std::string {
+    if (h == "localhost") return "127.0.0.1";
+    const std::string text(h);
+    char buf[INET6_ADDRSTRLEN];
+    in_addr v4{};
+    if (::inet_aton(text.c_str(), &v4) != 0) {
+      return ::inet_ntop(AF_INET, &v4, buf, sizeof buf) != nullptr ? buf : text;
+    }
+    in6_addr v6{};
+    if (::inet_pton(AF_INET6, text.c_str(), &v6) == 1) {
+      if (IN6_IS_ADDR_V4MAPPED(&v6)) {
+        std::memcpy(&v4, &v6.s6_addr[12], 4);
+        return ::inet_ntop(AF_INET, &v4, buf, sizeof buf) != nullptr ? buf : text;
+      }
+      return ::inet_ntop(AF_INET6, &v6, buf, sizeof buf) != nullptr ? buf : text;
+    }
+    return text;
+  };
+  const std::string x = norm(a);
+  const std::string y = norm(b);
   const auto ipv4 = [](std::string_view h) { return h.find(':') == std::string_view::npos; };
-  return a == b || a == "::" || b == "::" || (a == "0.0.0.0" && ipv4(b)) || (b == "0.0.0.0" && ipv4(a));
+  return x == y || x == "::" || y == "::" || (x == "0.0.0.0" && ipv4(y)) || (y == "0.0.0.0" && ipv4(x));
 }
 
 std::string quoted_list(const std::vector<std::string_view>& names) {

@@ -465,6 +465,15 @@ TEST(ConfigErrors, BadAddresses) {
               HasSubstr("\"localhost:7070\" (element [1]) is the same server as \"127.0.0.1:7070\" "
                         "(element [0]) under another name"));
   parse_ok("[cluster]\nservers = [\"127.0.0.1:7070\", \"localhost:7071\"]\n");
+  // Every spelling of one address literal is the same server.
+  EXPECT_THAT(parse_error("[cluster]\nservers = [\"127.0.0.1:7070\", \"127.1:7070\"]\n"),
+              HasSubstr("\"127.1:7070\" (element [1]) is the same server as \"127.0.0.1:7070\""));
+  EXPECT_THAT(
+      parse_error("[cluster]\nservers = [\"127.0.0.1:7070\", \"[::ffff:127.0.0.1]:7070\"]\n"),
+      HasSubstr("is the same server as \"127.0.0.1:7070\""));
+  EXPECT_THAT(parse_error("[cluster]\nservers = [\"[::1]:7070\", \"[0:0::1]:7070\"]\n"),
+              HasSubstr("is the same server as \"[::1]:7070\""));
+  parse_ok("[cluster]\nservers = [\"127.0.0.1:7070\", \"127.0.0.2:7070\", \"[::1]:7070\"]\n");
   // A control character in a quoted value is shown escaped: a NUL used to
   // end the message there.
   EXPECT_THAT(parse_error("[server]\nlisten = \"a\\u0000b\\nc:7000\"\n"),
