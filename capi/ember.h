@@ -220,6 +220,10 @@ EMBER_API int ember_buffer_info(const ember_worker* worker, const void* data, si
 /* ------------------------------------------------------------------------
  * Tensors. Keys are the caller's 64-bit names of tensors; every worker of a
  * job uses the same key for the same tensor.
+ * Besides the errors each function lists, a request to a server that was
+ * restarted with another [cluster] table, consistency or [optimizer]
+ * settings than the other servers fails with EMBER_E_CONFIG: the worker
+ * refuses it when it reconnects (see ember_worker_create).
  */
 
 /* Registers `key` as a float32 tensor of `shape` (ndim <= 8 dims, C order;

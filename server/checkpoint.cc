@@ -505,16 +505,21 @@ Status prepare_checkpoint_dir(const std::filesystem::path& dir) {
     return make_sys_error(ec ? ec.value() : ENOTDIR, "checkpoint directory '{}': is not a directory",
                           dir.string());
   }
+  if (Status st = probe_writable(dir); !st) {
+    Error err = st.error();
+    err.with_context(fmt::format("checkpoint directory '{}'", dir.string()));
+    return tl::unexpected(err);
+  }
+  return ok_status();
+}
+
+Status probe_writable(const std::filesystem::path& dir) {
   const std::filesystem::path probe = dir / fmt::format(".ember-write-probe-{}", ::getpid());
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return make_sys_error(errno, "checkpoint directory '{}': cannot create a file in it",
-                          dir.string());
-  }
+  if (fd < 0) return make_sys_error(errno, "cannot create a file in '{}'", dir.string());
   ::close(fd);
   if (::unlink(probe.c_str()) != 0) {
-    return make_sys_error(errno, "checkpoint directory '{}': cannot remove probe file '{}'",
-                          dir.string(), probe.string());
+    return make_sys_error(errno, "cannot remove the probe file '{}'", probe.string());
   }
   return ok_status();
 }

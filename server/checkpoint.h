@@ -121,4 +121,10 @@ enum class RefusedFiles {
 // "cannot remove probe file") and the errno.
 [[nodiscard]] Status prepare_checkpoint_dir(const std::filesystem::path& dir);
 
+// Whether this process can create (and remove) a file in the existing
+// directory `dir`: creates and unlinks ".ember-write-probe-<pid>" (a
+// leftover of that name is overwritten). Errors: kIo with errno, naming the
+// directory or the probe file.
+[[nodiscard]] Status probe_writable(const std::filesystem::path& dir);
+
 }  // namespace ember::server

@@ -20,9 +20,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <fmt/format.h>
 
 #include "common/base/logging.h"
@@ -1127,11 +1124,7 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
                      : 0;
   rb.optimizer = static_cast<std::uint8_t>(to_proto(config.optimizer.type));
   rb.nesterov = config.optimizer.type == config::OptimizerType::kMomentum && config.optimizer.nesterov;
-  const config::OptimizerConfig& o = config.optimizer;
-  const double numbers[] = {o.learning_rate, o.momentum,     o.beta1,
-                            o.beta2,         o.epsilon,      o.weight_decay,
-                            o.initial_accumulator};
-  rb.optimizer_check = proto::optimizer_check(numbers);
+  rb.optimizer_check = proto::optimizer_check(optimizer_numbers(config.optimizer));
   const auto body_bytes = proto::encode_body(rb);
   send_message(ReplyTo{c.id, channel}, proto::reply_header(h), body_bytes);
 }
@@ -1480,6 +1473,20 @@ Status check_listen_address(const config::Config& config) {
   return ok_status();
 }
 
+std::array<double, 7> optimizer_numbers(const config::OptimizerConfig& o) {
+  using T = config::OptimizerType;
+  // Only what the type reads: two sgd servers that differ in an unused
+  // beta2 apply the same updates. -0.0 is 0.0.
+  auto used = [](bool use, double v) { return use && v != 0.0 ? v : 0.0; };
+  const bool momentum = o.type == T::kMomentum;
+  const bool adam = o.type == T::kAdam || o.type == T::kAdamW;
+  const bool adagrad = o.type == T::kAdagrad;
+  return {used(true, o.learning_rate),     used(momentum, o.momentum),
+          used(adam, o.beta1),             used(adam, o.beta2),
+          used(adam || adagrad, o.epsilon), used(true, o.weight_decay),
+          used(adagrad, o.initial_accumulator)};
+}
+
 Status check_checkpoint_dir(const config::Config& config) {
   const std::string& dir = config.server.checkpoint_dir;
   if (dir.empty()) return ok_status();
@@ -1505,14 +1512,9 @@ Status check_checkpoint_dir(const config::Config& config) {
                                : fmt::format("cannot be created: '{}' is not a directory",
                                              at.string()));
   }
-  const fs::path probe = at / fmt::format(".ember-write-probe-{}", ::getpid());
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    const int err = errno;
-    return refuse(fmt::format("cannot create a file in '{}' ({})", at.string(), std::strerror(err)));
+  if (Status st = probe_writable(at); !st) {
+    return refuse(st.error().message() + st.error().cause());
   }
-  ::close(fd);
-  ::unlink(probe.c_str());
   return ok_status();
 }
 

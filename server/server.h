@@ -40,6 +40,8 @@
 // any thread.
 #pragma once
 
+#include <array>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -91,6 +93,13 @@ Status check_listen_address(const config::Config& config);
 // workers, pinned elsewhere, load the same file. Errors: kConfig naming the
 // key, the CPU and the allowed CPUs.
 Status check_shard_cpus(const config::Config& config);
+
+// The [optimizer] numbers the server's join reply digests (proto::
+// optimizer_check): learning_rate (as configured), momentum, beta1, beta2,
+// epsilon, weight_decay, initial_accumulator, each 0 when `o.type` does not
+// use it, and -0.0 as 0.0, so that only configs that update differently
+// differ.
+std::array<double, 7> optimizer_numbers(const config::OptimizerConfig& o);
 
 // What `ember-server --check-config` checks of server.checkpoint_dir (when
 // set), without creating it: an existing path must be a directory this

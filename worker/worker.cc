@@ -280,10 +280,13 @@ struct ServerLink {
   // The join found settings that differ from this worker's config; warned.
   std::atomic<bool> settings_warned{false};
   std::atomic<bool> optimizer_warned{false};  // the same, for [optimizer]
-  // What the last successful join of this server said of its settings
-  // (Impl::check_same_settings compares the servers); guarded by
+  // What the last successful join of this server said of its settings, and
+  // the connection generation of that join (Impl::check_same_settings
+  // compares the servers, skipping a record whose connection is gone: the
+  // server may have restarted with other settings). Guarded by
   // Impl::settings_mutex.
   std::optional<proto::JoinReplyBody> settings;
+  std::uint64_t settings_gen = 0;
   // Attempts of the last full reconnect cycle to this server when it failed
   // (0: the last connect succeeded). While set, a new request reconnects
   // with one attempt instead of a full cycle (connect(quick)), so after the
@@ -291,6 +294,17 @@ struct ServerLink {
   // back) rather than waiting out connect_retries again.
   std::atomic<std::uint32_t> failed_cycle_attempts{0};
 };
+
+// "\"momentum\" with Nesterov", as the join's messages name an optimizer.
+std::string optimizer_text(std::string_view name, bool nesterov) {
+  return fmt::format("\"{}\"{}", name, nesterov ? " with Nesterov" : "");
+}
+
+// The optimizer a join reply names, in optimizer_text's form.
+std::string optimizer_text(const proto::JoinReplyBody& b) {
+  return optimizer_text(proto::optimizer_name(static_cast<proto::OptimizerCode>(b.optimizer)),
+                        b.nesterov != 0);
+}
 
 // This host's physical memory in bytes (sysconf); 0 when unknown.
 std::uint64_t host_memory_bytes() {
@@ -738,13 +752,9 @@ Status Worker::Impl::join(ServerLink& link) {
   // worker config naming another one (which the example trainer and its
   // single-process baseline quote) describes a job that is not running.
   // The learning rate is not compared: workers may change it at run time.
-  auto optimizer_text = [](std::string_view name, bool nesterov) {
-    return fmt::format("\"{}\"{}", name, nesterov ? " with Nesterov" : "");
-  };
   const bool my_nesterov =
       config.optimizer.type == config::OptimizerType::kMomentum && config.optimizer.nesterov;
-  const std::string server_optimizer = optimizer_text(
-      proto::optimizer_name(static_cast<proto::OptimizerCode>(body.optimizer)), body.nesterov != 0);
+  const std::string server_optimizer = optimizer_text(body);
   const std::string my_optimizer = optimizer_text(config::to_string(config.optimizer.type), my_nesterov);
   if (server_optimizer != my_optimizer &&
       !link.optimizer_warned.exchange(true, std::memory_order_relaxed)) {
@@ -764,16 +774,21 @@ Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinRepl
                                                      : "",
                        proto::loss_policy_name(static_cast<proto::LossPolicy>(b.loss_policy)));
   };
-  auto optimizer_text = [](const proto::JoinReplyBody& b) {
-    return fmt::format("optimizer \"{}\"{}",
-                       proto::optimizer_name(static_cast<proto::OptimizerCode>(b.optimizer)),
-                       b.nesterov != 0 ? " with Nesterov" : "");
-  };
+  // Lock order: settings_mutex, then a link's mutex (nothing takes them the
+  // other way round).
   std::lock_guard lock(settings_mutex);
+  auto connected_gen = [](ServerLink& l) -> std::optional<std::uint64_t> {
+    std::lock_guard g(l.mutex);
+    if (!l.conn || l.conn->is_closed()) return std::nullopt;
+    return l.gen;
+  };
   for (const auto& other : servers) {
-    // A server compares with the others only: one that restarted with new
-    // settings in a one-server job is the job's new settings.
+    // A server compares with the others only, and only with what they said
+    // on the connection they still have: a server that restarted since may
+    // run other settings (all of them may have been restarted with a new
+    // [optimizer] table), and its next join records them.
     if (other.get() == &link || !other->settings) continue;
+    if (connected_gen(*other) != other->settings_gen) continue;
     const proto::JoinReplyBody& o = *other->settings;
     std::string what;
     std::string_view table;
@@ -782,8 +797,8 @@ Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinRepl
                          other->address, consistency_text(o));
       table = "[server] consistency, staleness_steps and on_worker_loss";
     } else if (optimizer_text(body) != optimizer_text(o)) {
-      what = fmt::format("applies {}, but server {} ({}) applies {}", optimizer_text(body),
-                         other->index, other->address, optimizer_text(o));
+      what = fmt::format("applies optimizer {}, but server {} ({}) applies optimizer {}",
+                         optimizer_text(body), other->index, other->address, optimizer_text(o));
       table = "[optimizer] table";
     } else if (body.optimizer_check != 0 && o.optimizer_check != 0 &&
                body.optimizer_check != o.optimizer_check) {
@@ -802,6 +817,7 @@ Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinRepl
                       link.index, link.address, what, table);
   }
   link.settings = body;
+  link.settings_gen = connected_gen(link).value_or(0);
   return ok_status();
 }
 
@@ -1525,7 +1541,7 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
     ks = slot;
   }
   auto op = new_op(static_cast<std::uint32_t>(ks->chunks.size()),
-                   fmt::format("init of key {} on server {}{}", key, ks->servers,
+                   fmt::format("init of key {} on server(s) {}{}", key, ks->servers,
                                rank0 ? "" : " (it waits until rank 0 has registered the key: is "
                                             "rank 0 running and calling init of it?)"));
   op->before_done = [ks](const Result<std::uint64_t>& r) {

@@ -77,7 +77,8 @@
 // attempt). While re-sends for a server are queued, new requests to it wait
 // (at most request_timeout) so they do not overtake them. Not re-sent:
 // resend_attempts = 0, protocol errors (the worker closed the connection),
-// a refused join (another [cluster] table), the Worker's own destruction;
+// a refused join (another [cluster] table, or settings that differ from
+// another server's: see create()), the Worker's own destruction;
 // those requests fail with kClosed ("connection to server <i> (<addr>) lost
 // before the reply: ..."). Re-sending reads the caller's gradient again, so
 // buffers must stay valid until the operation is done (handle.h). Once a

@@ -216,7 +216,8 @@ std::string_view loss_policy_name(LossPolicy p) noexcept;
 std::string_view optimizer_name(OptimizerCode o) noexcept;
 
 // Body of a join reply (32 bytes, little-endian): the server's settings, so
-// a worker can say when its own config disagrees (the server's apply).
+// a worker can say when its own config disagrees (the server's apply) and
+// refuse servers of one job that disagree with each other.
 struct JoinReplyBody {
   std::uint32_t num_workers;   // 0
   std::uint32_t num_servers;   // 4
@@ -233,16 +234,17 @@ struct JoinReplyBody {
   std::uint32_t optimizer_check;
 };
 static_assert(sizeof(JoinReplyBody) == 32);
+static_assert(offsetof(JoinReplyBody, staleness) == 16);
+static_assert(offsetof(JoinReplyBody, optimizer) == 24);
 static_assert(offsetof(JoinReplyBody, optimizer_check) == 28);
 
 // A 32-bit digest (never 0) of an [optimizer] table's numbers: learning_rate
 // (as configured, not as set at run time), momentum, beta1, beta2, epsilon,
-// weight_decay, initial_accumulator, in that order, by their bit patterns
-// (placement::mix64 chained). Equal tables give equal checks; different
-// ones differ but for a 2^-32 chance.
+// weight_decay, initial_accumulator, in that order (server::
+// optimizer_numbers, which zeroes those the type does not use), by their bit
+// patterns (placement::mix64 chained). Equal numbers give equal checks;
+// different ones differ but for a 2^-32 chance.
 std::uint32_t optimizer_check(std::span<const double> numbers) noexcept;
-static_assert(offsetof(JoinReplyBody, staleness) == 16);
-static_assert(offsetof(JoinReplyBody, optimizer) == 24);
 
 // A decoded message: a typed header, the shape and the payload, both views
 // into the decoded bytes (valid as long as those bytes are).

@@ -469,7 +469,9 @@ class Worker:
     sets [worker] rank when `rank` is given, connects to every server and
     joins. Blocks while connecting (retrying per [worker] connect_retries).
     Raises EmberError: E_CONFIG (missing or invalid file, bad override, rank
-    out of range), E_IO / E_TIMEOUT (a server unreachable), ...
+    out of range, a server with another [cluster] table, two servers whose
+    consistency or [optimizer] settings differ), E_IO / E_TIMEOUT (a server
+    unreachable), ...
     """
 
     def __init__(self, config_path, rank=None, overrides=()):

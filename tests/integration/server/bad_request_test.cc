@@ -405,19 +405,65 @@ TEST(BadRequestsServers, ServersWithDifferentSettingsAreRefusedAtJoin) {
     for (const std::string& e : c.expected) EXPECT_NE(text.find(e), std::string::npos) << text;
   }
   // The same settings join, also after a worker set another learning rate
-  // at run time (the check is of the configured numbers).
+  // at run time (the check is of the configured numbers), and with another
+  // value of a number the optimizer does not use (sgd has no beta2).
   TempDir dir;
   ClusterSpec spec;
   spec.num_servers = 2;
   spec.num_workers = 2;
   ServerProcess s0(dir, spec, 0);
-  ServerProcess s1(dir, spec, 1);
+  ServerProcess s1(dir, spec, 1, {"--set", "optimizer.beta2=0.5"});
   ASSERT_TRUE(s0.ok() && s1.ok());
   auto w0 = Worker::create(worker_config(spec, {s0.address(), s1.address()}, 0));
   ASSERT_TRUE(w0) << w0.error().to_string();
   ASSERT_TRUE((*w0)->set_learning_rate(0.5).wait());
   auto w1 = Worker::create(worker_config(spec, {s0.address(), s1.address()}, 1));
   EXPECT_TRUE(w1) << w1.error().to_string();
+}
+
+// Servers restarted with a new [optimizer] table are compared with what the
+// others say now, not with what they said before their restart: restarted
+// one at a time, the first differs from the second until that one is back
+// too; then the worker carries on (it used to refuse both for good).
+TEST(BadRequestsServers, ServersRestartedWithNewSettingsAreComparedAsTheyRunNow) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_servers = 2;
+  std::vector<std::unique_ptr<ServerProcess>> first;
+  std::vector<std::string> addresses;
+  for (std::uint32_t i = 0; i < 2; ++i) {
+    first.push_back(std::make_unique<ServerProcess>(dir, spec, i));
+    ASSERT_TRUE(first.back()->ok());
+    addresses.push_back(first.back()->address());
+  }
+  auto w = Worker::create(worker_config(spec, addresses, 0));
+  ASSERT_TRUE(w) << w.error().to_string();
+  ASSERT_TRUE((*w)->set_learning_rate(0.5).wait());
+  std::vector<std::unique_ptr<Process>> again(2);
+  auto restart = [&](std::uint32_t i) {
+    first[i]->process().signal(SIGTERM);
+    ASSERT_TRUE(first[i]->process().wait_exit(20s));
+    again[i] = std::make_unique<Process>(
+        server_binary(),
+        std::vector<std::string>{"--config", (dir / fmt::format("server{}.toml", i)).string(),
+                                 "--listen", addresses[i], "--set",
+                                 fmt::format("server.server_index={}", i), "--set",
+                                 "optimizer.learning_rate=0.25"},
+        dir / fmt::format("again{}.log", i));
+    ASSERT_TRUE(again[i]->wait_line("ember-server ready", 30s));
+  };
+  restart(0);
+  auto r = (*w)->set_learning_rate(0.5).wait();
+  ASSERT_FALSE(r) << "server 0 runs another learning rate than server 1 now";
+  EXPECT_EQ(r.error().code(), ErrorCode::kConfig) << r.error().to_string();
+  EXPECT_NE(r.error().to_string().find("has other [optimizer] numbers than server 1"),
+            std::string::npos)
+      << r.error().to_string();
+  restart(1);
+  // Server 0's refused connection and server 1's old one are gone: both
+  // join again and agree.
+  auto now = (*w)->set_learning_rate(0.5).wait();
+  EXPECT_TRUE(now) << now.error().to_string();
 }
 
 // Over shm a server is found by the text of its address: a --listen spelled

@@ -128,7 +128,7 @@ TEST(WorkerClient, InitWaitingForRankZeroTimesOutNamingTheKeyAndRankZero) {
   auto r = w1->init(9, kShape, {}).wait();
   ASSERT_FALSE(r);
   EXPECT_EQ(r.error().code(), ErrorCode::kTimeout);
-  EXPECT_NE(r.error().message().find("init of key 9 on server 0 (it waits until rank 0 has "
+  EXPECT_NE(r.error().message().find("init of key 9 on server(s) 0 (it waits until rank 0 has "
                                      "registered the key"),
             std::string::npos)
       << r.error().to_string();
