@@ -41,15 +41,16 @@ tl::unexpected<Error> config_error(std::string message, int sys_errno = 0) {
   return tl::unexpected<Error>(Error(ErrorCode::kConfig, std::move(message), sys_errno));
 }
 
-// `text` with control characters as TOML escapes (\u0000): a value quoted
-// in a message may hold a NUL, which would end the message where a C string
-// or a terminal stops, or a newline that would fake another issue's line.
+// `text` with control characters other than newline and tab as TOML
+// escapes (\u0000): a value quoted in a message may hold a NUL, which would
+// end the message where a C string or a terminal stops. Newlines stay: a
+// syntax error's excerpt (toml11's) spans lines, with a marker line.
 std::string printable(std::string_view text) {
   std::string out;
   out.reserve(text.size());
   for (const char c : text) {
     const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
+    if ((u < 0x20 && c != '\n' && c != '\t') || u == 0x7f) {
       out += fmt::format("\\u{:04x}", u);
     } else {
       out += c;
