@@ -33,15 +33,16 @@ std::string_view error_code_name(ErrorCode code) noexcept {
   return "unknown";
 }
 
+std::string Error::cause() const {
+  if (sys_errno_ == 0) return {};
+  char buf[128];
+  // GNU strerror_r returns the message pointer (may not use buf).
+  const char* text = ::strerror_r(sys_errno_, buf, sizeof buf);
+  return fmt::format(": {} (errno {})", text, sys_errno_);
+}
+
 std::string Error::to_string() const {
-  std::string out = fmt::format("{}: {}", error_code_name(code_), message_);
-  if (sys_errno_ != 0) {
-    char buf[128];
-    // GNU strerror_r returns the message pointer (may not use buf).
-    const char* text = ::strerror_r(sys_errno_, buf, sizeof buf);
-    out += fmt::format(": {} (errno {})", text, sys_errno_);
-  }
-  return out;
+  return fmt::format("{}: {}{}", error_code_name(code_), message_, cause());
 }
 
 Error& Error::with_context(std::string_view context) {

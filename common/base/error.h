@@ -67,6 +67,9 @@ class Error {
 
   // "<code name>: <message>[: <strerror> (errno N)]"
   std::string to_string() const;
+  // The system error's part of to_string(): ": <strerror> (errno N)", or ""
+  // when sys_errno() is 0. (Error replies carry it in their text.)
+  std::string cause() const;
 
   // Prefixes context to the message ("while X: <old message>"), keeping the
   // code and errno: the caller adds what it was doing, the callee said why.

@@ -3,6 +3,7 @@
 #include "common/proto/message.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -438,14 +439,12 @@ std::vector<std::byte> encode_error_reply(const Header& request, const Error& er
   h.status = error.code() == ErrorCode::kOk ? ErrorCode::kInternal : error.code();
   h.num_elements = 0;
   // The reply carries no errno field: a system error's cause goes into the
-  // text ("...: No space left on device (errno 28)"), as in to_string().
-  std::string text = error.message();
-  if (error.sys_errno() != 0) {
-    const std::string full = error.to_string();
-    text = full.substr(full.find(": ") + 2);  // to_string() without the code name
-  }
-  const std::size_t n = std::min(text.size(), kMaxErrorTextBytes);
-  return encode_message(h, {}, std::as_bytes(std::span<const char>(text.data(), n)));
+  // text ("...: No space left on device (errno 28)"), as in to_string(). A
+  // long message is cut before the cause, so the cause always arrives.
+  const std::string cause = error.cause().substr(0, kMaxErrorTextBytes);
+  const std::string& message = error.message();
+  std::string text = message.substr(0, kMaxErrorTextBytes - cause.size()) + cause;
+  return encode_message(h, {}, std::as_bytes(std::span<const char>(text.data(), text.size())));
 }
 
 std::array<std::byte, sizeof(JoinRequestBody)> encode_body(const JoinRequestBody& body) {

@@ -215,6 +215,11 @@ TEST(Proto, ErrorReplyOfASystemErrorNamesTheCause) {
   ASSERT_TRUE(m) << m.error().to_string();
   EXPECT_EQ(m->header.status, ErrorCode::kIo);
   EXPECT_EQ(m->text(), "write 'x.tmp' failed: No space left on device (errno 28)");
+  // A message too long for the reply is cut before the cause, not the cause.
+  auto cut = decode(encode_error_reply(push_header(3), Error(ErrorCode::kIo, std::string(9000, 'x'), ENOSPC)));
+  ASSERT_TRUE(cut);
+  EXPECT_EQ(cut->payload.size(), kMaxErrorTextBytes);
+  EXPECT_TRUE(cut->text().ends_with("xx: No space left on device (errno 28)")) << cut->text().substr(4000);
 }
 
 TEST(Proto, ErrorReplyTextIsTruncated) {
