@@ -25,7 +25,7 @@
 # with the defaults), --lr included.
 # Bounds: --workers 1..256, --servers 1..64, --epochs 1..10000, --batch-size
 # 1..60000 with workers x batch-size <= 60000 (the training set), --seed below
-# 10^19, --lr positive and finite.
+# 10^19, --lr positive and below 1e300.
 # --min-accuracy is the test accuracy every worker must reach (default 0.85
 # for bsp with >= 3 epochs, else 0.5, which only catches a diverged run).
 # Exit status 0 when everything worked; non-zero when a step failed (build, a
@@ -77,9 +77,10 @@ while (($#)); do
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-# The bounds are the workers' own (examples/fashion_mnist/cli.h), checked
-# here so that a bad value exits 2 before any process starts; the server and
-# worker counts are processes of this machine (each with its own page pool).
+# Epochs and batch size are bounded as the workers bound them
+# (examples/fashion_mnist/cli.h), checked here so that a bad value exits 2
+# before any process starts; the server and worker counts are processes of
+# this machine (each with its own page pool).
 in_range() { [[ $1 =~ ^[1-9][0-9]*$ ]] && ((${#1} <= 6 && $1 <= $2)); }
 in_range "$workers" 256 || die "--workers must be a number from 1 to 256 (got '$workers')"
 in_range "$servers" 64 || die "--servers must be a number from 1 to 64 (got '$servers')"
@@ -100,7 +101,7 @@ if [[ -z $lr ]]; then
 fi
 if [[ ! $lr =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] ||
    ! awk -v x="$lr" 'BEGIN { v = x + 0; exit !(v > 0 && v < 1e300) }'; then
-  die "--lr must be a positive finite number (got '$lr')"
+  die "--lr must be a positive number below 1e300 (got '$lr')"
 fi
 # The one-process baseline takes the step the job takes per round: bsp applies
 # the mean of the N gradients with lr (a batch of N*B at lr), asp and ssp

@@ -28,9 +28,9 @@ expect_refused "--transport must be tcp or shm (got 'udp')" --transport=udp
 expect_refused "--workers must be a number from 1 to 256 (got '')" --workers=
 expect_refused "unknown argument '--gpus'" --gpus=2
 # 0 matches the number pattern; the servers would refuse it only after the build.
-expect_refused "--lr must be a positive finite number (got '0')" --lr 0
-expect_refused "--lr must be a positive finite number (got '0.0e5')" --lr 0.0e5
-expect_refused "--lr must be a positive finite number (got '-0.1')" --lr -0.1
+expect_refused "--lr must be a positive number below 1e300 (got '0')" --lr 0
+expect_refused "--lr must be a positive number below 1e300 (got '0.0e5')" --lr 0.0e5
+expect_refused "--lr must be a positive number below 1e300 (got '-0.1')" --lr -0.1
 expect_refused "--seed must be a non-negative integer of at most 19 digits (got '-3')" --seed -3
 expect_refused "--batch-size must be a number from 1 to 60000 (got '0')" --batch-size 0
 expect_refused "(got --workers 2 x --batch-size 40000)" --workers 2 --batch-size 40000
@@ -40,7 +40,7 @@ expect_refused "--batch-size must be a number from 1 to 60000 (got '922337203685
 expect_refused "--epochs must be a number from 1 to 10000 (got '10001')" --epochs 10001
 expect_refused "--epochs must be a number from 1 to 10000 (got '99999999999999999999999')" --epochs 99999999999999999999999
 expect_refused "--servers must be a number from 1 to 64 (got '100000')" --servers 100000
-expect_refused "--lr must be a positive finite number (got '1e999')" --lr 1e999
+expect_refused "--lr must be a positive number below 1e300 (got '1e999')" --lr 1e999
 expect_refused "--seed must be a non-negative integer of at most 19 digits" --seed 123456789012345678901
 expect_refused "--keep-logs takes no value (got '--keep-logs=1')" --keep-logs=1
 "$demo" --help | grep -q -- "--transport" || fail "--help does not list the options"

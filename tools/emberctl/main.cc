@@ -403,10 +403,11 @@ int run(int argc, char** argv) {
   std::string record_file;
   record_cmd->add_option("file", record_file, "the file written with record_pattern = true")->required();
 
-  auto command_list = [&app] {
+  // "\n  emberctl [<prefix> ]<name>: <description>" for each subcommand of `parent`.
+  auto command_list = [](CLI::App& parent, std::string_view prefix) {
     std::string names;
-    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
-      names += fmt::format("\n  emberctl {}: {}", sub->get_name(), sub->get_description());
+    for (const CLI::App* sub : parent.get_subcommands([](const CLI::App*) { return true; })) {
+      names += fmt::format("\n  emberctl {}{}: {}", prefix, sub->get_name(), sub->get_description());
     }
     return names;
   };
@@ -414,7 +415,7 @@ int run(int argc, char** argv) {
       app.get_subcommands([&](const CLI::App* sub) { return sub->get_name() == argv[1]; })
           .empty()) {
     return usage_error(fmt::format("unknown command '{}'; the commands are:{}", argv[1],
-                                   command_list()));
+                                   command_list(app, "")));
   }
   try {
     app.parse(argc, argv);
@@ -422,7 +423,7 @@ int run(int argc, char** argv) {
     return ember::cli_exit(app, e);
   }
   if (app.get_subcommands().empty()) {
-    return usage_error("a command is needed:" + command_list() +
+    return usage_error("a command is needed:" + command_list(app, "") +
                        "\n(emberctl <command> --help for its options)");
   }
   if (*status || *stats || *checkpoint) {
@@ -433,11 +434,7 @@ int run(int argc, char** argv) {
     return cmd_checkpoint(config_path, metrics, *timeout);
   }
   if (*config_cmd && config_cmd->get_subcommands().empty()) {
-    std::string names;
-    for (const CLI::App* sub : config_cmd->get_subcommands([](const CLI::App*) { return true; })) {
-      names += fmt::format("\n  emberctl config {}: {}", sub->get_name(), sub->get_description());
-    }
-    return usage_error("config needs a subcommand:" + names);
+    return usage_error("config needs a subcommand:" + command_list(*config_cmd, "config "));
   }
   if (*check) return cmd_config_check(check_file, overrides);
   if (*tune_cmd) return cmd_tune(ta);
