@@ -38,8 +38,12 @@ Options shm_options(std::chrono::nanoseconds busy_poll) {
 // messages checked for order and exclusivity per channel.
 struct PollPair {
   Inbox server_in, client_in;  // before the transports: on_closed may run into them
-  std::unique_ptr<Transport> server_tx, client_tx;
+  // The registered memory before the transports, so it outlives them: a
+  // transport's I/O thread may still release a lent Buffer of it while the
+  // transport shuts down (TSan saw the region's condition variable
+  // destroyed under an I/O thread's notify).
   std::unique_ptr<MemfdRegion> server_mem, client_mem;
+  std::unique_ptr<Transport> server_tx, client_tx;
   std::unique_ptr<Listener> listener;
   std::shared_ptr<Connection> client, server;
 
