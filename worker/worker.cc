@@ -249,9 +249,21 @@ std::uint64_t message_bytes(const Outgoing& o) {
 struct ServerLink {
   std::uint32_t index = 0;
   std::string address;
-  std::mutex mutex;  // guards conn, gen (reconnects)
+  std::mutex mutex;  // guards conn, gen, joined_gen (reconnects)
   std::shared_ptr<transport::Connection> conn;
   std::uint64_t gen = 0;
+  // The generation whose join succeeded. conn is published before its join
+  // is sent (the join goes out on it), so while joined_gen != gen only the
+  // join may use it: every other sender waits on joined_cv (with mutex), so
+  // that nothing reaches a server whose join the worker may still refuse
+  // (check_same_settings). Notified when a join ends either way, and when
+  // the worker closes its connections.
+  std::uint64_t joined_gen = 0;
+  std::condition_variable joined_cv;
+  // The error of the last join that failed, and its generation: the outcome
+  // of the senders that waited for that join.
+  std::optional<Error> join_error;
+  std::uint64_t join_error_gen = 0;
   std::vector<std::unique_ptr<std::mutex>> channel_mutex;  // keeps header+payload adjacent
   std::vector<std::unique_ptr<ChannelRing>> rings;         // pipeline queues
   std::vector<std::unique_ptr<std::mutex>> ring_consumer;  // one flusher per ring
@@ -392,6 +404,7 @@ struct Worker::Impl {
     for (auto& s : servers) {
       std::lock_guard lock(s->mutex);
       if (s->conn) s->conn->close(std::chrono::milliseconds(200));
+      s->joined_cv.notify_all();  // senders waiting for a join see it closed
     }
   }
 
@@ -459,8 +472,12 @@ struct Worker::Impl {
   // closed. `after_resends`: a sender other than the re-sender; when the
   // connection was lost, it first waits (bounded by request_timeout) for the
   // loss to be announced (on_closed) and for the re-sends it queued.
+  // `for_join`: the join of a connection this thread just opened, the one
+  // request sent on a connection before its join succeeded; every other
+  // sender waits for that join to end (within request_timeout).
   Result<std::shared_ptr<transport::Connection>> connection(ServerLink& link, std::uint64_t& gen,
-                                                            bool after_resends = false);
+                                                            bool after_resends = false,
+                                                            bool for_join = false);
   // Waits (bounded by request_timeout) until on_closed of generation `gen` has run.
   void wait_announced(ServerLink& link, std::uint64_t gen);
 
@@ -655,9 +672,41 @@ void Worker::Impl::wait_announced(ServerLink& link, std::uint64_t gen) {
 
 Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLink& link,
                                                                        std::uint64_t& gen,
-                                                                       bool after_resends) {
+                                                                       bool after_resends,
+                                                                       bool for_join) {
   std::unique_lock lock(link.mutex);
-  if (link.conn && !link.conn->is_closed()) {
+  // The open connection once its join succeeded (or for that join itself).
+  // While another thread joins it, wait: the join may refuse the server
+  // (check_same_settings), and nothing may reach it before. The join ends
+  // within request_timeout (its reply, a failure or the connection's close).
+  auto usable = [&]() -> Result<bool> {
+    if (!link.conn || link.conn->is_closed()) return false;
+    if (for_join || link.joined_gen == link.gen) return true;
+    const std::uint64_t joining = link.gen;
+    // Twice request_timeout: a safety bound only (the join's own deadline,
+    // set just after this wait may have begun, ends it first).
+    const bool ended = link.joined_cv.wait_for(lock, 2 * config.worker.request_timeout, [&] {
+      return closing.load() || link.gen != joining || link.joined_gen == joining ||
+             link.conn->is_closed();
+    });
+    if (!ended) {
+      return make_error(ErrorCode::kTimeout,
+                        "worker {}: the join of server {} at {} did not end within twice "
+                        "[worker] request_timeout = {} ms",
+                        config.worker.rank, link.index, link.address,
+                        std::chrono::duration_cast<std::chrono::milliseconds>(
+                            config.worker.request_timeout)
+                            .count());
+    }
+    if (link.gen == joining && link.join_error_gen == joining && link.join_error) {
+      // The join this sender waited for failed: that is its outcome too (a
+      // server refused for its settings is not joined again by each waiter).
+      return tl::unexpected(*link.join_error);
+    }
+    return link.conn && !link.conn->is_closed() && link.joined_gen == link.gen;
+  };
+  EMBER_ASSIGN_OR_RETURN(const bool open, usable());
+  if (open) {
     gen = link.gen;
     return link.conn;
   }
@@ -669,7 +718,8 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
     wait_announced(link, lost_gen);
     wait_for_resends(link);
     lock.lock();
-    if (link.conn && !link.conn->is_closed()) {
+    EMBER_ASSIGN_OR_RETURN(const bool reopened, usable());
+    if (reopened) {
       gen = link.gen;
       return link.conn;
     }
@@ -690,15 +740,25 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
   link.gen = new_gen;
   gen = new_gen;
   lock.unlock();
-  if (Status s = join(link); !s) {
-    const ErrorCode code = s.error().code();
+  Status joined = join(link);
+  if (!joined) {
+    const ErrorCode code = joined.error().code();
     if (code != ErrorCode::kIo && code != ErrorCode::kTimeout && code != ErrorCode::kClosed &&
         code != ErrorCode::kUnavailable) {
       link.poisoned_gen.store(new_gen);  // refused (another [cluster] table): nothing to re-send
     }
     conn->close();
-    return tl::unexpected(s.error());
   }
+  {
+    std::lock_guard g(link.mutex);
+    if (joined && link.gen == new_gen) link.joined_gen = new_gen;
+    if (!joined) {
+      link.join_error = joined.error();
+      link.join_error_gen = new_gen;
+    }
+    link.joined_cv.notify_all();
+  }
+  if (!joined) return tl::unexpected(joined.error());
   return conn;
 }
 
@@ -1258,7 +1318,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
     wait_for_resends(link);
   }
   std::uint64_t gen = 0;
-  auto conn = connection(link, gen, !resending);
+  auto conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin);
   if (!conn) {
     o.op->fail(conn.error());
     return;
