@@ -680,35 +680,54 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
   // (check_same_settings), and nothing may reach it before. The join ends
   // within request_timeout (its reply, a failure or the connection's close).
   auto usable = [&]() -> Result<bool> {
-    if (!link.conn || link.conn->is_closed()) return false;
-    if (for_join || link.joined_gen == link.gen) return true;
-    const std::uint64_t joining = link.gen;
-    // Twice request_timeout: a safety bound only (the join's own deadline,
-    // set just after this wait may have begun, ends it first).
-    const bool ended = link.joined_cv.wait_for(lock, 2 * config.worker.request_timeout, [&] {
-      return closing.load() || link.gen != joining || link.joined_gen == joining ||
-             link.conn->is_closed();
-    });
-    if (!ended) {
-      return make_error(ErrorCode::kTimeout,
-                        "worker {}: the join of server {} at {} did not end within twice "
-                        "[worker] request_timeout = {} ms",
-                        config.worker.rank, link.index, link.address,
-                        std::chrono::duration_cast<std::chrono::milliseconds>(
-                            config.worker.request_timeout)
-                            .count());
+    // A safety bound only: each join ends within request_timeout (its reply,
+    // a failure or the connection's close), and a sender waits for one join,
+    // or for the next one a thread opened meanwhile.
+    const auto deadline = std::chrono::steady_clock::now() + 2 * config.worker.request_timeout;
+    for (;;) {
+      if (!link.conn || link.conn->is_closed()) return false;
+      if (for_join || link.joined_gen == link.gen) return true;
+      if (closing.load()) {
+        return make_error(ErrorCode::kClosed, "worker {}: shutting down while server {} joins",
+                          config.worker.rank, link.index);
+      }
+      const std::uint64_t joining = link.gen;
+      const bool ended = link.joined_cv.wait_until(lock, deadline, [&] {
+        return closing.load() || link.gen != joining || link.joined_gen == joining ||
+               link.join_error_gen == joining || link.conn->is_closed();
+      });
+      if (!ended) {
+        return make_error(ErrorCode::kTimeout,
+                          "worker {}: the join of server {} at {} did not end within twice "
+                          "[worker] request_timeout = {} ms",
+                          config.worker.rank, link.index, link.address,
+                          std::chrono::duration_cast<std::chrono::milliseconds>(
+                              config.worker.request_timeout)
+                              .count());
+      }
+      if (link.gen == joining && link.join_error_gen == joining && link.join_error &&
+          link.poisoned_gen.load() == joining) {
+        // The join this sender waited for was refused (another [cluster]
+        // table, other server settings): that is its outcome too, rather
+        // than a join of its own to be refused again. A join that failed on
+        // a lost connection or a timeout is not: the sender goes on as after
+        // any lost connection (below), and its request is sent once a
+        // connection joins.
+        return tl::unexpected(*link.join_error);
+      }
     }
-    if (link.gen == joining && link.join_error_gen == joining && link.join_error) {
-      // The join this sender waited for failed: that is its outcome too (a
-      // server refused for its settings is not joined again by each waiter).
-      return tl::unexpected(*link.join_error);
-    }
-    return link.conn && !link.conn->is_closed() && link.joined_gen == link.gen;
   };
   EMBER_ASSIGN_OR_RETURN(const bool open, usable());
   if (open) {
     gen = link.gen;
     return link.conn;
+  }
+  if (for_join) {
+    // The join goes on the connection its thread just opened, or not at all
+    // (that thread's connection() then fails or retries as for a lost one).
+    return make_error(ErrorCode::kClosed,
+                      "worker {}: the connection to server {} at {} closed before its join went out",
+                      config.worker.rank, link.index, link.address);
   }
   if (after_resends && link.conn) {
     // Lost: its requests go first (on_closed queues them; the re-sender
@@ -1323,6 +1342,10 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
     o.op->fail(conn.error());
     return;
   }
+  // connection() may have waited (a reconnect, a join, re-sends) past the
+  // operation's request_timeout: the caller has its error, and a request it
+  // saw fail (a learning-rate change) must not take effect after all.
+  if (o.op->failed()) return;
   if (kind == transport::Kind::kShm) {
     std::lock_guard lock(o.op->mutex);
     o.op->progress = *conn;  // wait() consumes replies from it (handle.h)
