@@ -53,9 +53,10 @@ void BarrierCore::settle(ReplySink& sink) {
   }
 }
 
-void BarrierCore::on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink) {
+void BarrierCore::on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink,
+                                 Departure how) {
   if (rank >= arrived_.size()) return;
-  if (membership_.lost(rank, now)) settle(sink);
+  if (membership_.lost(rank, now, how)) settle(sink);
 }
 
 void BarrierCore::on_worker_back(std::uint32_t rank) {

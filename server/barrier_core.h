@@ -27,7 +27,8 @@ class BarrierCore {
 
   // pre: request.header.worker_rank < num_workers.
   void on_barrier(const Request& request, TimePoint now, ReplySink& sink);
-  void on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink);
+  void on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink,
+                      Departure how = Departure::kLost);
   void on_worker_back(std::uint32_t rank);
   void on_tick(TimePoint now, ReplySink& sink);
   std::optional<TimePoint> next_deadline() const { return membership_.next_deadline(); }

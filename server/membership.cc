@@ -13,11 +13,12 @@ Membership::Membership(std::uint32_t num_workers, proto::LossPolicy policy,
   EMBER_CHECK(num_workers > 0);
 }
 
-bool Membership::lost(std::uint32_t rank, TimePoint now) {
+bool Membership::lost(std::uint32_t rank, TimePoint now, Departure how) {
   EMBER_CHECK_MSG(rank < states_.size(), "rank {} of {}", rank, states_.size());
   State& s = states_[rank];
   if (s.kind != Kind::kPresent) return false;
   s.lost_since = now;
+  s.how = how;
   switch (policy_) {
     case proto::LossPolicy::kWait: s.kind = Kind::kWaiting; break;
     case proto::LossPolicy::kShrink: s.kind = Kind::kExcluded; break;
@@ -64,6 +65,22 @@ std::uint32_t Membership::num_required() const noexcept {
 }
 
 Error Membership::failure_error(std::uint32_t rank, std::string_view what) const {
+  const bool closed = rank < states_.size() && states_[rank].how == Departure::kClosed;
+  if (closed && policy_ == proto::LossPolicy::kWait) {
+    return Error(ErrorCode::kWorkerLost,
+                 fmt::format("{} needs worker {}, which closed its connection (it finished or its "
+                             "process exited) and was not back within worker_timeout ({}) "
+                             "(on_worker_loss = \"wait\")",
+                             what, rank,
+                             std::chrono::duration_cast<std::chrono::milliseconds>(worker_timeout_)));
+  }
+  if (closed) {
+    return Error(ErrorCode::kWorkerLost,
+                 fmt::format("{} needs worker {}, which closed its connection (it finished or its "
+                             "process exited) (on_worker_loss = \"fail\"); restart it with the "
+                             "same rank to continue",
+                             what, rank));
+  }
   if (policy_ == proto::LossPolicy::kWait) {
     return Error(ErrorCode::kWorkerLost,
                  fmt::format("{} needs worker {}, lost and not back within worker_timeout ({}) "

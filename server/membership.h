@@ -29,6 +29,19 @@ namespace ember::server {
 using Clock = std::chrono::steady_clock;
 using TimePoint = Clock::time_point;
 
+// How a rank's last connection ended, as far as the server can tell. Only
+// the wording of the kWorkerLost error depends on it; the policy treats both
+// alike (a worker that finished and one that crashed are both gone).
+enum class Departure : std::uint8_t {
+  // An error ended it: heartbeat timeout, a crash seen as such (shm: no
+  // goodbye), a protocol or I/O error.
+  kLost,
+  // The peer closed it in order (tcp FIN or reset after its last byte, shm
+  // goodbye). Over tcp a process that exited, killed or not, looks the same
+  // as one that called close(), so this does not mean "finished".
+  kClosed,
+};
+
 class Membership {
  public:
   Membership(std::uint32_t num_workers, proto::LossPolicy policy,
@@ -38,7 +51,7 @@ class Membership {
   proto::LossPolicy policy() const noexcept { return policy_; }
 
   // Events. Both return true when the rank's state changed. pre: rank < num_workers().
-  bool lost(std::uint32_t rank, TimePoint now);
+  bool lost(std::uint32_t rank, TimePoint now, Departure how = Departure::kLost);
   bool back(std::uint32_t rank);
 
   // Marks ranks lost longer than worker_timeout (policy wait) as failed.
@@ -57,7 +70,8 @@ class Membership {
   // Number of ranks not excluded.
   std::uint32_t num_required() const noexcept;
 
-  // The error handed to a request blocked by failed rank `rank`.
+  // The error handed to a request blocked by failed rank `rank`: kWorkerLost,
+  // naming `what`, the rank, how it left (Departure) and the policy.
   Error failure_error(std::uint32_t rank, std::string_view what) const;
 
  private:
@@ -65,6 +79,7 @@ class Membership {
   struct State {
     Kind kind = Kind::kPresent;
     TimePoint lost_since{};
+    Departure how = Departure::kLost;  // of the latest loss
   };
   proto::LossPolicy policy_;
   std::chrono::nanoseconds worker_timeout_;

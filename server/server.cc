@@ -259,7 +259,8 @@ struct Server::Impl final : ReplySink {
   void handle_join(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
   void handle_set_lr(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
   void handle_checkpoint(ConnState& c, std::uint32_t channel, const proto::Header& h);
-  void broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id);
+  void broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id,
+                 Departure departure = Departure::kLost);
 
   // ---- replies (shard threads, I/O threads, checkpoint thread) ----
 
@@ -711,11 +712,13 @@ Status Server::Impl::init(const config::Config& cfg) {
 // ---------------------------------------------------------------------------
 // transport callbacks
 
-void Server::Impl::broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id) {
+void Server::Impl::broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id,
+                             Departure departure) {
   for (auto& s : shards) {
     ShardItem item;
     item.kind = kind;
     item.rank = rank;
+    item.departure = departure;
     item.request.to.connection_id = conn_id;
     item.received = Clock::now();
     s->post(std::move(item));
@@ -850,7 +853,13 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
               pointed ? "" : "; see docs/troubleshooting.md#worker-loss");
   }
   broadcast(ShardItem::Kind::kDropConnection, state->rank, state->id);
-  if (lost) broadcast(ShardItem::Kind::kWorkerLost, state->rank, state->id);
+  if (lost) {
+    // kClosed and not closed here (close_bad): the worker closed it. kCancelled
+    // is this server's own shutdown.
+    const bool by_worker = reason.code() == ErrorCode::kClosed && !state->closing.load();
+    broadcast(ShardItem::Kind::kWorkerLost, state->rank, state->id,
+              by_worker ? Departure::kClosed : Departure::kLost);
+  }
 }
 
 void Server::Impl::close_bad(ConnState& c, const Error& why) {

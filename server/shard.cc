@@ -214,8 +214,8 @@ void Shard::handle(ShardItem& item) {
       break;
     }
     case ShardItem::Kind::kWorkerLost:
-      core_.on_worker_lost(item.rank, now, sink);
-      if (barrier_) barrier_->on_worker_lost(item.rank, now, sink);
+      core_.on_worker_lost(item.rank, now, sink, item.departure);
+      if (barrier_) barrier_->on_worker_lost(item.rank, now, sink, item.departure);
       break;
     case ShardItem::Kind::kWorkerBack:
       core_.on_worker_back(item.rank, now, sink);

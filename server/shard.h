@@ -70,6 +70,7 @@ struct ShardItem {
   std::array<std::uint64_t, proto::kMaxDims> dims{};
   Payload payload;
   double value = 0.0;
+  Departure departure = Departure::kLost;  // kWorkerLost
   std::shared_ptr<Countdown> countdown;
   std::shared_ptr<SnapshotCollector> collector;
   std::vector<std::byte> raw;

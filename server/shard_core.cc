@@ -528,9 +528,10 @@ void ShardCore::serve_all(ReplySink& sink) {
   }
 }
 
-void ShardCore::on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink) {
+void ShardCore::on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink,
+                               Departure how) {
   if (rank >= options_.num_workers) return;
-  if (membership_.lost(rank, now)) serve_all(sink);
+  if (membership_.lost(rank, now, how)) serve_all(sink);
 }
 
 void ShardCore::on_worker_back(std::uint32_t rank, TimePoint /*now*/, ReplySink& /*sink*/) {

@@ -221,7 +221,8 @@ class ShardCore {
   void on_push_pull(const Request& request, Payload gradient, TimePoint now, ReplySink& sink);
 
   // Worker events and time. May complete or fail waiting requests.
-  void on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink);
+  void on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink,
+                      Departure how = Departure::kLost);
   void on_worker_back(std::uint32_t rank, TimePoint now, ReplySink& sink);
   void on_tick(TimePoint now, ReplySink& sink);
   std::optional<TimePoint> next_deadline() const { return membership_.next_deadline(); }

@@ -634,6 +634,85 @@ TEST(ServerWorkerLoss, WaitPolicyGivesUpAfterWorkerTimeout) {
   EXPECT_LT(waited, 10s);
 }
 
+// A worker that finished its steps and closed is not reported to the others
+// as "lost": the error says it closed its connection.
+void finished_worker_is_named_as_closed(const std::string& transport) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.transport = transport;
+  spec.num_workers = 2;
+  spec.loss_policy = "wait";
+  spec.worker_timeout = "1s";
+  spec.learning_rate = 0.5;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto a = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(a) << a.error().to_string();
+  auto b = Worker::create(worker_config(spec, {server.address()}, 1));
+  ASSERT_TRUE(b) << b.error().to_string();
+  const std::vector<float> init{0, 1, 2, 3};
+  const std::uint64_t shape[] = {4};
+  ASSERT_TRUE((*a)->init(1, shape, init).wait());
+  ASSERT_TRUE((*b)->init(1, shape, init).wait());
+  const std::vector<float> g(4, 1.0f);
+  std::vector<float> pa(4), pb(4);
+  Handle hb = (*b)->push_pull(1, g, pb);
+  ASSERT_TRUE((*a)->push_pull(1, g, pa).wait());
+  ASSERT_TRUE(hb.wait());
+  b->reset();  // rank 1 is done: it closes its connections
+  auto r = (*a)->push_pull(1, g, pa).wait();
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kWorkerLost) << r.error().to_string();
+  EXPECT_NE(r.error().message().find("needs worker 1, which closed its connection"), std::string::npos)
+      << r.error().to_string();
+  EXPECT_EQ(r.error().message().find("lost and not back"), std::string::npos) << r.error().to_string();
+
+}
+
+TEST(ServerWorkerLoss, AWorkerThatFinishedIsNamedAsClosedNotLostOverTcp) {
+  finished_worker_is_named_as_closed("tcp");
+}
+
+TEST(ServerWorkerLoss, AWorkerThatFinishedIsNamedAsClosedOverShm) {
+  finished_worker_is_named_as_closed("shm");
+}
+
+// Over shm a crash is told apart (no goodbye): a killed worker is "lost".
+TEST(ServerWorkerLoss, AKilledShmWorkerIsNamedAsLost) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.transport = "shm";
+  spec.num_workers = 2;
+  spec.loss_policy = "wait";
+  spec.worker_timeout = "1s";
+  spec.learning_rate = 0.5;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  const std::filesystem::path config = dir / "worker.toml";
+  write_file(config, cluster_toml(spec, {server.address()}));
+  Process w1(test_worker_binary(),
+             {"--config", config.string(), "--rank", "1", "--key", "1", "--elements", "4",
+              "--steps", "100", "--stop-after", "0"},
+             dir / "worker1.log");
+  auto a = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(a) << a.error().to_string();
+  const std::vector<float> init{0, 1, 2, 3};
+  const std::uint64_t shape[] = {4};
+  ASSERT_TRUE((*a)->init(1, shape, init).wait());
+  const std::vector<float> g(4, 1.0f);
+  std::vector<float> pa(4);
+  ASSERT_TRUE((*a)->push_pull(1, g, pa).wait());  // step 0, with rank 1's push
+  ASSERT_TRUE(w1.wait_line("pushed 0", 30s))
+      << fmt::format("{}", fmt::join(w1.lines(), "\n")) << read_file(dir / "worker1.log");
+  w1.signal(SIGKILL);
+  auto r = (*a)->push_pull(1, g, pa).wait();
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kWorkerLost) << r.error().to_string();
+  EXPECT_NE(r.error().message().find("needs worker 1, lost and not back within worker_timeout"),
+            std::string::npos)
+      << r.error().to_string();
+}
+
 TEST(ServerWorkerLoss, RestartedWorkerRejoinsAndTheRoundCompletes) {
   LossScenario s("wait", "20s");
   ASSERT_TRUE(s.server->ok());

@@ -565,6 +565,36 @@ TEST(Membership, AnyMissingCountsWaitingAndFailedRanks) {
   EXPECT_FALSE(fail.any_missing());
 }
 
+// The kWorkerLost text says how the rank left: "lost" after an error, "closed
+// its connection" after an orderly close; the latest loss decides.
+TEST(Membership, FailureErrorNamesHowTheRankLeft) {
+  using std::chrono::seconds;
+  Membership wait(2, proto::LossPolicy::kWait, seconds(5));
+  ASSERT_TRUE(wait.lost(1, kT0));
+  ASSERT_TRUE(wait.tick(kT0 + seconds(6)));
+  Error e = wait.failure_error(1, "push of step 3");
+  EXPECT_EQ(e.code(), ErrorCode::kWorkerLost);
+  EXPECT_EQ(e.message(), "push of step 3 needs worker 1, lost and not back within worker_timeout "
+                         "(5000ms) (on_worker_loss = \"wait\")");
+  ASSERT_TRUE(wait.back(1));
+  ASSERT_TRUE(wait.lost(1, kT0, Departure::kClosed));
+  ASSERT_TRUE(wait.tick(kT0 + seconds(6)));
+  e = wait.failure_error(1, "push of step 3");
+  EXPECT_EQ(e.message(), "push of step 3 needs worker 1, which closed its connection (it finished "
+                         "or its process exited) and was not back within worker_timeout (5000ms) "
+                         "(on_worker_loss = \"wait\")");
+  Membership fail(2, proto::LossPolicy::kFail, seconds(5));
+  ASSERT_TRUE(fail.lost(0, kT0, Departure::kClosed));
+  EXPECT_EQ(fail.failure_error(0, "barrier 2").message(),
+            "barrier 2 needs worker 0, which closed its connection (it finished or its process "
+            "exited) (on_worker_loss = \"fail\"); restart it with the same rank to continue");
+  ASSERT_TRUE(fail.back(0));
+  ASSERT_TRUE(fail.lost(0, kT0));
+  EXPECT_EQ(fail.failure_error(0, "barrier 2").message(),
+            "barrier 2 needs worker 0, which was lost (on_worker_loss = \"fail\"); restart it "
+            "with the same rank to continue");
+}
+
 TEST_F(ShardCoreTest, RankZeroLossFailsWaitingInits) {
   make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kFail));
   const std::uint64_t shape[] = {1};
