@@ -31,6 +31,7 @@
 #include "common/record/recorder.h"
 #include "common/ring/mpsc_ring.h"
 #include "common/transport/transport.h"
+#include "worker/tcp_probe.h"
 
 namespace ember {
 
@@ -644,6 +645,20 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
+  // An shm worker that found no shm listener: a server that accepts tcp at
+  // the same host:port means the configs disagree on the transport. Only on
+  // this failure path; that server logs the probe as a peer that closed
+  // during the handshake.
+  std::string mismatch;
+  if (!hopeless && kind == transport::Kind::kShm && !closing.load()) {
+    const config::HostPort& hp = config.cluster.servers.at(link.index);
+    if (worker_detail::accepts_tcp(hp.host, hp.port, std::chrono::milliseconds(500))) {
+      mismatch = fmt::format(
+          "; but a server accepts tcp at {}: this worker's [communication] transport is \"shm\" "
+          "and that server's is not; give workers and servers the same transport",
+          hp.to_string());
+    }
+  }
   if (hopeless) {
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (attempt {}; not "
                                   "retried: a retry cannot cure {})",
@@ -652,14 +667,16 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   } else if (quick) {
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (1 attempt: the "
                                   "last reconnect already failed after {} attempt(s) of [worker] "
-                                  "connect_retries; restart the server or check the address)",
+                                  "connect_retries; restart the server or check the address{})",
                                   config.worker.rank, link.index, link.address,
-                                  link.failed_cycle_attempts.load(std::memory_order_relaxed)));
+                                  link.failed_cycle_attempts.load(std::memory_order_relaxed),
+                                  mismatch));
   } else {
     if (!closing.load()) link.failed_cycle_attempts.store(made, std::memory_order_relaxed);
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (after {} of {} "
-                                  "attempt(s); [worker] connect_retries, connect_timeout)",
-                                  config.worker.rank, link.index, link.address, made, attempts));
+                                  "attempt(s); [worker] connect_retries, connect_timeout{})",
+                                  config.worker.rank, link.index, link.address, made, attempts,
+                                  mismatch));
   }
   return tl::unexpected(last);
 }

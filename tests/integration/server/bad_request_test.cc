@@ -546,6 +546,37 @@ TEST(BadRequestsServers, ShmListenSpelledOtherwiseThanTheServerListIsNamed) {
   EXPECT_NE(w.error().to_string().find("'localhost:7000' and '127.0.0.1:7000' are two names"),
             std::string::npos)
       << w.error().to_string();
+  // Nothing accepts tcp there: no transport-mismatch hint.
+  EXPECT_EQ(w.error().to_string().find("accepts tcp"), std::string::npos) << w.error().to_string();
+}
+
+// An shm worker pointed at a tcp server: the error says that the server
+// accepts tcp there and that the transports must agree, not only the shm
+// connect hint.
+TEST(BadRequestsServers, ShmWorkerAtATcpServerIsToldTheTransportsDiffer) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.transport = "tcp";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  ClusterSpec shm = spec;
+  shm.transport = "shm";
+  config::Config c = worker_config(shm, {server.address()}, 0);
+  ASSERT_TRUE(config::set_value(c, "worker.connect_retries", "1"));
+  auto w = Worker::create(c);
+  ASSERT_FALSE(w);
+  const std::string text = w.error().to_string();
+  EXPECT_NE(text.find(fmt::format("but a server accepts tcp at {}: this worker's [communication] "
+                                  "transport is \"shm\" and that server's is not; give workers "
+                                  "and servers the same transport",
+                                  server.address())),
+            std::string::npos)
+      << text;
+  // The tcp server carries on: a tcp worker joins and works.
+  auto ok = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(ok) << ok.error().to_string();
+  const std::uint64_t shape[] = {2};
+  EXPECT_TRUE((*ok)->init(1, shape, std::vector<float>{1, 2}).wait());
 }
 
 // A reply placement (proto::kFlagInPlace) the server cannot write — past
