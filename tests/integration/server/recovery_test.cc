@@ -634,16 +634,22 @@ TEST(ServerWorkerLoss, WaitPolicyGivesUpAfterWorkerTimeout) {
   EXPECT_LT(waited, 10s);
 }
 
-// A worker that finished its steps and closed is not reported to the others
-// as "lost": the error says it closed its connection.
-void finished_worker_is_named_as_closed(const std::string& transport) {
-  TempDir dir;
+// Two workers, on_worker_loss = "wait" with a short worker_timeout.
+ClusterSpec two_workers_waiting(const std::string& transport) {
   ClusterSpec spec;
   spec.transport = transport;
   spec.num_workers = 2;
   spec.loss_policy = "wait";
   spec.worker_timeout = "1s";
   spec.learning_rate = 0.5;
+  return spec;
+}
+
+// A worker that finished its steps and closed is not reported to the others
+// as "lost": the error says it closed its connection.
+void finished_worker_is_named_as_closed(const std::string& transport) {
+  TempDir dir;
+  const ClusterSpec spec = two_workers_waiting(transport);
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
   auto a = Worker::create(worker_config(spec, {server.address()}, 0));
@@ -666,7 +672,6 @@ void finished_worker_is_named_as_closed(const std::string& transport) {
   EXPECT_NE(r.error().message().find("needs worker 1, which closed its connection"), std::string::npos)
       << r.error().to_string();
   EXPECT_EQ(r.error().message().find("lost and not back"), std::string::npos) << r.error().to_string();
-
 }
 
 TEST(ServerWorkerLoss, AWorkerThatFinishedIsNamedAsClosedNotLostOverTcp) {
@@ -680,12 +685,7 @@ TEST(ServerWorkerLoss, AWorkerThatFinishedIsNamedAsClosedOverShm) {
 // Over shm a crash is told apart (no goodbye): a killed worker is "lost".
 TEST(ServerWorkerLoss, AKilledShmWorkerIsNamedAsLost) {
   TempDir dir;
-  ClusterSpec spec;
-  spec.transport = "shm";
-  spec.num_workers = 2;
-  spec.loss_policy = "wait";
-  spec.worker_timeout = "1s";
-  spec.learning_rate = 0.5;
+  const ClusterSpec spec = two_workers_waiting("shm");
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
   const std::filesystem::path config = dir / "worker.toml";
