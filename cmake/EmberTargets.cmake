@@ -72,9 +72,14 @@ function(ember_add_fuzzer name)
     target_compile_options(${name} PRIVATE -fsanitize=fuzzer,address,undefined)
     target_link_options(${name} PRIVATE -fsanitize=fuzzer,address,undefined)
     target_link_libraries(${name} PRIVATE ${ARG_DEPS})
-    set(corpus_args "")
+    # libFuzzer writes the inputs it finds into its first corpus directory:
+    # a build-tree one, so that runs never add files to the source tree; the
+    # seed corpus follows, read only.
+    set(new_inputs ${CMAKE_CURRENT_BINARY_DIR}/corpus-${name})
+    file(MAKE_DIRECTORY ${new_inputs})
+    set(corpus_args ${new_inputs})
     if(ARG_CORPUS)
-      set(corpus_args ${PROJECT_SOURCE_DIR}/${ARG_CORPUS})
+      list(APPEND corpus_args ${PROJECT_SOURCE_DIR}/${ARG_CORPUS})
     endif()
     set_property(GLOBAL APPEND PROPERTY EMBER_FUZZ_TARGETS ${name})
     add_test(NAME fuzz.${name}
