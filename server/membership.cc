@@ -68,17 +68,19 @@ Error Membership::failure_error(std::uint32_t rank, std::string_view what) const
   const bool closed = rank < states_.size() && states_[rank].how == Departure::kClosed;
   if (closed && policy_ == proto::LossPolicy::kWait) {
     return Error(ErrorCode::kWorkerLost,
-                 fmt::format("{} needs worker {}, which closed its connection (it finished or its "
-                             "process exited) and was not back within worker_timeout ({}) "
+                 fmt::format("{} needs worker {}, which closed its connection in order (it "
+                             "finished, or dropped the connection to reconnect) and was not "
+                             "back within worker_timeout ({}) "
                              "(on_worker_loss = \"wait\")",
                              what, rank,
                              std::chrono::duration_cast<std::chrono::milliseconds>(worker_timeout_)));
   }
   if (closed) {
     return Error(ErrorCode::kWorkerLost,
-                 fmt::format("{} needs worker {}, which closed its connection (it finished or its "
-                             "process exited) (on_worker_loss = \"fail\"); restart it with the "
-                             "same rank to continue",
+                 fmt::format("{} needs worker {}, which closed its connection in order (it "
+                             "finished, or dropped the connection to reconnect) "
+                             "(on_worker_loss = \"fail\"); restart it with the same rank to "
+                             "continue",
                              what, rank));
   }
   if (policy_ == proto::LossPolicy::kWait) {

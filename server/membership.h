@@ -33,12 +33,13 @@ using TimePoint = Clock::time_point;
 // the wording of the kWorkerLost error depends on it; the policy treats both
 // alike (a worker that finished and one that crashed are both gone).
 enum class Departure : std::uint8_t {
-  // An error ended it: heartbeat timeout, a crash seen as such (shm: no
-  // goodbye), a protocol or I/O error.
+  // An error ended it: the peer's end closed without its goodbye (a crash or
+  // a kill, over tcp and shm alike), a reset, a heartbeat timeout, a protocol
+  // or I/O error; or this server closed it (bad input, shutdown).
   kLost,
-  // The peer closed it in order (tcp FIN or reset after its last byte, shm
-  // goodbye). Over tcp a process that exited, killed or not, looks the same
-  // as one that called close(), so this does not mean "finished".
+  // The worker closed it in order (its goodbye came, transport::Connection::
+  // close): a worker that finished (Worker destroyed), or one that dropped
+  // the connection to reconnect (a refused join, a reply it could not read).
   kClosed,
 };
 

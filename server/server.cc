@@ -131,6 +131,9 @@ struct ConnState {
   std::atomic<std::uint32_t> errors_logged{0};
   std::atomic<bool> placement_warned{false};  // an unusable reply placement was logged
   std::atomic<bool> closing{false};
+  // This server called close() on it (bad input, a refused join, a reply cut
+  // short, shutdown): when it ends, the worker did not leave of its own accord.
+  std::atomic<bool> closed_here{false};
   // Refused at accept (rank outside the job, or a rank that already has a
   // live connection): the worker's join is answered with this error, then
   // the connection is closed. Never counted in rank_connections.
@@ -854,9 +857,10 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
   }
   broadcast(ShardItem::Kind::kDropConnection, state->rank, state->id);
   if (lost) {
-    // kClosed and not closed here (close_bad): the worker closed it. kCancelled
-    // is this server's own shutdown.
-    const bool by_worker = reason.code() == ErrorCode::kClosed && !state->closing.load();
+    // An orderly close (kClosed: the worker's goodbye came) that this server
+    // did not start: the worker closed it. Errors (no goodbye, reset,
+    // heartbeat timeout) and this server's own closes are losses.
+    const bool by_worker = reason.code() == ErrorCode::kClosed && !state->closed_here.load();
     broadcast(ShardItem::Kind::kWorkerLost, state->rank, state->id,
               by_worker ? Departure::kClosed : Departure::kLost);
   }
@@ -867,6 +871,7 @@ void Server::Impl::close_bad(ConnState& c, const Error& why) {
   if (!c.closing.exchange(true)) {
     log->warn("closing the connection of worker {} ({}): {}", c.rank, c.peer, why.to_string());
   }
+  c.closed_here.store(true);
   c.conn->close();
 }
 
@@ -1027,7 +1032,10 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     if (s) {
       s = c->conn->send(to.channel, std::move(b));
       // The header went out without its payload: the channel is out of step.
-      if (!s) c->conn->close();
+      if (!s) {
+        c->closed_here.store(true);
+        c->conn->close();
+      }
     }
   }
   if (!s) log->debug("reply to worker {} not sent: {}", c->rank, s.error().to_string());
@@ -1215,6 +1223,7 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
       const auto reply = proto::encode_error_reply(h, *c->refused);
       (void)c->conn->send(msg.channel, reply);
       (void)c->conn->flush(msg.channel);
+      c->closed_here.store(true);
       c->conn->close();
     }
     return;
@@ -1421,12 +1430,15 @@ Status Server::Impl::shutdown() {
   shut_down = true;
   if (started) log->info("shutting down: draining connections and shards");
   listener.reset();
-  std::vector<std::shared_ptr<transport::Connection>> open;
+  std::vector<std::shared_ptr<ConnState>> open;
   {
     std::shared_lock lock(conns_mutex);
-    for (const auto& [id, c] : by_id) open.push_back(c->conn);
+    for (const auto& [id, c] : by_id) open.push_back(c);
   }
-  for (auto& c : open) c->close(std::chrono::milliseconds(500));
+  for (auto& c : open) {
+    c->closed_here.store(true);
+    c->conn->close(std::chrono::milliseconds(500));
+  }
   {
     std::shared_lock lock(conns_mutex);
     conns_cv.wait_for(lock, std::chrono::seconds(2), [&] { return by_id.empty(); });

@@ -682,10 +682,10 @@ TEST(ServerWorkerLoss, AWorkerThatFinishedIsNamedAsClosedOverShm) {
   finished_worker_is_named_as_closed("shm");
 }
 
-// Over shm a crash is told apart (no goodbye): a killed worker is "lost".
-TEST(ServerWorkerLoss, AKilledShmWorkerIsNamedAsLost) {
+// A killed worker's end closes without the transport's goodbye: "lost".
+void killed_worker_is_named_as_lost(const std::string& transport) {
   TempDir dir;
-  const ClusterSpec spec = two_workers_waiting("shm");
+  const ClusterSpec spec = two_workers_waiting(transport);
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
   const std::filesystem::path config = dir / "worker.toml";
@@ -712,6 +712,10 @@ TEST(ServerWorkerLoss, AKilledShmWorkerIsNamedAsLost) {
             std::string::npos)
       << r.error().to_string();
 }
+
+TEST(ServerWorkerLoss, AKilledWorkerIsNamedAsLostOverTcp) { killed_worker_is_named_as_lost("tcp"); }
+
+TEST(ServerWorkerLoss, AKilledWorkerIsNamedAsLostOverShm) { killed_worker_is_named_as_lost("shm"); }
 
 TEST(ServerWorkerLoss, RestartedWorkerRejoinsAndTheRoundCompletes) {
   LossScenario s("wait", "20s");

@@ -190,8 +190,8 @@ const Quoted kQuoted[] = {
     {"worker-loss", "worker/worker.cc", "request(s) failed", false},
     {"worker-loss", "server/membership.cc", "lost and not back within worker_timeout", false},
     {"worker-loss", "server/membership.cc", "which was lost (on_worker_loss", false},
-    {"worker-loss", "server/membership.cc", "process exited) and was not back within", false},
-    {"worker-loss", "server/membership.cc", "process exited) (on_worker_loss", false},
+    {"worker-loss", "server/membership.cc", "to reconnect) and was not back within", false},
+    {"worker-loss", "server/membership.cc", "to reconnect) (on_worker_loss", false},
     {"training-diverged", "examples/fashion_mnist/trainer.cc", "training diverged", false},
 };
 

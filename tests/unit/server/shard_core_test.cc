@@ -580,14 +580,15 @@ TEST(Membership, FailureErrorNamesHowTheRankLeft) {
   ASSERT_TRUE(wait.lost(1, kT0, Departure::kClosed));
   ASSERT_TRUE(wait.tick(kT0 + seconds(6)));
   e = wait.failure_error(1, "push of step 3");
-  EXPECT_EQ(e.message(), "push of step 3 needs worker 1, which closed its connection (it finished "
-                         "or its process exited) and was not back within worker_timeout (5000ms) "
-                         "(on_worker_loss = \"wait\")");
+  EXPECT_EQ(e.message(), "push of step 3 needs worker 1, which closed its connection in order (it "
+                         "finished, or dropped the connection to reconnect) and was not back "
+                         "within worker_timeout (5000ms) (on_worker_loss = \"wait\")");
   Membership fail(2, proto::LossPolicy::kFail, seconds(5));
   ASSERT_TRUE(fail.lost(0, kT0, Departure::kClosed));
   EXPECT_EQ(fail.failure_error(0, "barrier 2").message(),
-            "barrier 2 needs worker 0, which closed its connection (it finished or its process "
-            "exited) (on_worker_loss = \"fail\"); restart it with the same rank to continue");
+            "barrier 2 needs worker 0, which closed its connection in order (it finished, or "
+            "dropped the connection to reconnect) (on_worker_loss = \"fail\"); restart it with "
+            "the same rank to continue");
   ASSERT_TRUE(fail.back(0));
   ASSERT_TRUE(fail.lost(0, kT0));
   EXPECT_EQ(fail.failure_error(0, "barrier 2").message(),
