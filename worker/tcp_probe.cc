@@ -10,18 +10,22 @@ bool accepts_tcp(const std::string& host, std::uint16_t port, std::chrono::milli
   namespace asio = boost::asio;
   using asio::ip::tcp;
   try {
+    // Resolution and connect both run inside run_for: `timeout` bounds the
+    // whole probe. Handlers still pending then are destroyed with `io`.
     asio::io_context io;
     tcp::resolver resolver(io);
-    boost::system::error_code ec;
-    const auto endpoints =
-        resolver.resolve(host, std::to_string(port), tcp::resolver::numeric_service, ec);
-    if (ec || endpoints.empty()) return false;
     tcp::socket socket(io);
     bool connected = false;
-    asio::async_connect(socket, endpoints,
-                        [&](const boost::system::error_code& e, const tcp::endpoint&) {
-                          connected = !e;
-                        });
+    resolver.async_resolve(
+        host, std::to_string(port), tcp::resolver::numeric_service,
+        [&](const boost::system::error_code& ec, const tcp::resolver::results_type& endpoints) {
+          if (ec || endpoints.empty()) return;
+          asio::async_connect(socket, endpoints,
+                              [&](const boost::system::error_code& e, const tcp::endpoint&) {
+                                connected = !e;
+                                io.stop();
+                              });
+        });
     io.run_for(timeout);
     return connected;
   } catch (...) {

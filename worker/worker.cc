@@ -230,6 +230,7 @@ struct Outgoing {
   std::span<const std::byte> data;  // tensor bytes to send (push, init)
   std::shared_ptr<Op> op;
   PendingReq pending;  // what to register under header.request_id
+  std::uint64_t join_gen = 0;  // kJoin: the connection generation it goes out on
 };
 
 // Requests of one lost connection, handed to the link's re-sender thread.
@@ -250,7 +251,7 @@ std::uint64_t message_bytes(const Outgoing& o) {
 struct ServerLink {
   std::uint32_t index = 0;
   std::string address;
-  std::mutex mutex;  // guards conn, gen, joined_gen (reconnects)
+  std::mutex mutex;  // guards conn, gen, joined_gen, join_error, join_error_gen (reconnects)
   std::shared_ptr<transport::Connection> conn;
   std::uint64_t gen = 0;
   // The generation whose join succeeded. conn is published before its join
@@ -464,7 +465,8 @@ struct Worker::Impl {
   // connect_retries + 1 with back-off.
   Result<std::shared_ptr<transport::Connection>> connect(ServerLink& link, std::uint64_t gen,
                                                          bool quick = false);
-  Status join(ServerLink& link);
+  // Joins the connection of generation `gen`, which this thread opened.
+  Status join(ServerLink& link, std::uint64_t gen);
   // Refuses a server whose consistency, staleness, loss policy or
   // [optimizer] differs from another server's of this job (a tensor cut over
   // both would be updated two ways); records its settings otherwise.
@@ -473,9 +475,11 @@ struct Worker::Impl {
   // closed. `after_resends`: a sender other than the re-sender; when the
   // connection was lost, it first waits (bounded by request_timeout) for the
   // loss to be announced (on_closed) and for the re-sends it queued.
-  // `for_join`: the join of a connection this thread just opened, the one
-  // request sent on a connection before its join succeeded; every other
-  // sender waits for that join to end (within request_timeout).
+  // `for_join`: the join of the connection of generation `gen` (in), which
+  // this thread just opened: the one request sent on a connection before its
+  // join succeeded, and only on that connection (kClosed once it closed or
+  // another took its place). Every other sender waits for that join to end
+  // (within request_timeout).
   Result<std::shared_ptr<transport::Connection>> connection(ServerLink& link, std::uint64_t& gen,
                                                             bool after_resends = false,
                                                             bool for_join = false);
@@ -645,17 +649,18 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
-  // An shm worker that found no shm listener: a server that accepts tcp at
-  // the same host:port means the configs disagree on the transport. Only on
-  // this failure path; that server logs the probe as a peer that closed
-  // during the handshake.
+  // An shm worker that found no shm listener: a tcp listener at the same
+  // host:port is most likely this job's server, on another transport. Only
+  // after a whole failed cycle (seconds), not on the quick path; a server
+  // there logs the probe as a peer that closed during the handshake.
   std::string mismatch;
-  if (!hopeless && kind == transport::Kind::kShm && !closing.load()) {
+  if (!hopeless && !quick && kind == transport::Kind::kShm && !closing.load()) {
     const config::HostPort& hp = config.cluster.servers.at(link.index);
     if (worker_detail::accepts_tcp(hp.host, hp.port, std::chrono::milliseconds(500))) {
       mismatch = fmt::format(
-          "; but a server accepts tcp at {}: this worker's [communication] transport is \"shm\" "
-          "and that server's is not; give workers and servers the same transport",
+          "; but something accepts tcp at {}: if that is this job's ember-server, its "
+          "[communication] transport is not this worker's \"shm\"; give workers and servers the "
+          "same transport",
           hp.to_string());
     }
   }
@@ -692,8 +697,16 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
                                                                        bool after_resends,
                                                                        bool for_join) {
   std::unique_lock lock(link.mutex);
-  // The open connection once its join succeeded (or for that join itself).
-  // While another thread joins it, wait: the join may refuse the server
+  if (for_join) {
+    // The join goes on the connection its thread opened, or not at all (that
+    // thread's connection() then fails or retries as for a lost one).
+    if (link.conn && !link.conn->is_closed() && link.gen == gen) return link.conn;
+    return make_error(ErrorCode::kClosed,
+                      "worker {}: the connection to server {} at {} closed before its join went out",
+                      config.worker.rank, link.index, link.address);
+  }
+  // The open connection once its join succeeded. While another thread joins
+  // it, wait: the join may refuse the server
   // (check_same_settings), and nothing may reach it before. The join ends
   // within request_timeout (its reply, a failure or the connection's close).
   auto usable = [&]() -> Result<bool> {
@@ -703,7 +716,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
     const auto deadline = std::chrono::steady_clock::now() + 2 * config.worker.request_timeout;
     for (;;) {
       if (!link.conn || link.conn->is_closed()) return false;
-      if (for_join || link.joined_gen == link.gen) return true;
+      if (link.joined_gen == link.gen) return true;
       if (closing.load()) {
         return make_error(ErrorCode::kClosed, "worker {}: shutting down while server {} joins",
                           config.worker.rank, link.index);
@@ -739,13 +752,6 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
     gen = link.gen;
     return link.conn;
   }
-  if (for_join) {
-    // The join goes on the connection its thread just opened, or not at all
-    // (that thread's connection() then fails or retries as for a lost one).
-    return make_error(ErrorCode::kClosed,
-                      "worker {}: the connection to server {} at {} closed before its join went out",
-                      config.worker.rank, link.index, link.address);
-  }
   if (after_resends && link.conn) {
     // Lost: its requests go first (on_closed queues them; the re-sender
     // reconnects). Then use whatever connection is open.
@@ -776,7 +782,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
   link.gen = new_gen;
   gen = new_gen;
   lock.unlock();
-  Status joined = join(link);
+  Status joined = join(link, new_gen);
   if (!joined) {
     const ErrorCode code = joined.error().code();
     if (code != ErrorCode::kIo && code != ErrorCode::kTimeout && code != ErrorCode::kClosed &&
@@ -788,7 +794,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
   {
     std::lock_guard g(link.mutex);
     if (joined && link.gen == new_gen) link.joined_gen = new_gen;
-    if (!joined) {
+    if (!joined && link.gen == new_gen) {  // not over a newer connection's record
       link.join_error = joined.error();
       link.join_error_gen = new_gen;
     }
@@ -798,7 +804,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
   return conn;
 }
 
-Status Worker::Impl::join(ServerLink& link) {
+Status Worker::Impl::join(ServerLink& link, std::uint64_t gen) {
   proto::JoinReplyBody body{};
   auto op = new_op(1, fmt::format("join of server {}", link.index));
   Outgoing o;
@@ -807,6 +813,7 @@ Status Worker::Impl::join(ServerLink& link) {
   o.header.type = proto::MsgType::kJoin;
   o.header.worker_rank = config.worker.rank;
   o.op = op;
+  o.join_gen = gen;
   o.pending.dest = reinterpret_cast<std::byte*>(&body);
   o.pending.dest_bytes = sizeof body;
   const proto::JoinRequestBody jb{config.cluster.num_workers,
@@ -1353,7 +1360,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   if (!resending && link.resends_queued.load(std::memory_order_acquire) != 0) [[unlikely]] {
     wait_for_resends(link);
   }
-  std::uint64_t gen = 0;
+  std::uint64_t gen = o.join_gen;
   auto conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin);
   if (!conn) {
     o.op->fail(conn.error());

@@ -566,9 +566,9 @@ TEST(BadRequestsServers, ShmWorkerAtATcpServerIsToldTheTransportsDiffer) {
   auto w = Worker::create(c);
   ASSERT_FALSE(w);
   const std::string text = w.error().to_string();
-  EXPECT_NE(text.find(fmt::format("but a server accepts tcp at {}: this worker's [communication] "
-                                  "transport is \"shm\" and that server's is not; give workers "
-                                  "and servers the same transport",
+  EXPECT_NE(text.find(fmt::format("but something accepts tcp at {}: if that is this job's "
+                                  "ember-server, its [communication] transport is not this "
+                                  "worker's \"shm\"; give workers and servers the same transport",
                                   server.address())),
             std::string::npos)
       << text;
