@@ -72,6 +72,13 @@ int run(int argc, char** argv) {
       ->excludes(check);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::ExtrasError& e) {
+    // Most often `ember-server --check-config FILE`: the file needs --config.
+    const int code = ember::cli_exit(app, e);
+    std::fprintf(stderr, "ember-server takes no positional arguments: give the config file with "
+                         "--config FILE (e.g. ember-server --config config/ember.toml "
+                         "--check-config)\n");
+    return code;
   } catch (const CLI::ParseError& e) {
     return ember::cli_exit(app, e);  // 2: the command line itself is wrong
   }

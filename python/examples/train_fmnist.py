@@ -34,7 +34,11 @@ import struct
 import sys
 import time
 
-import numpy as np
+try:
+    import numpy as np
+except ModuleNotFoundError:
+    sys.exit(f"train_fmnist.py: numpy is missing from {sys.executable}; run it with Debian's "
+             "/usr/bin/python3 (package python3-numpy, which scripts/install-deps.sh installs)")
 
 DATA_DIR = "/usr/share/datasets/fashion-mnist"
 FILES = {
@@ -182,14 +186,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="the job's TOML config (same as the servers')")
     ap.add_argument("--rank", type=int, default=None, help="this worker's rank (default: config)")
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=64, help="per worker")
-    ap.add_argument("--hidden", type=int, default=128, help="hidden units; 0 = softmax regression")
+    ap.add_argument("--epochs", type=int, default=3, help="(default: 3)")
+    ap.add_argument("--batch-size", type=int, default=64, help="per worker (default: 64)")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden units, 0 = softmax regression (default: 128)")
     ap.add_argument("--lr", type=float, default=None,
                     help="learning rate set on the servers by rank 0 (default: the config's)")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all)")
     ap.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1, help="(default: 1)")
     ap.add_argument("--data-dir", default=DATA_DIR)
     args = ap.parse_args(argv)
 

@@ -840,6 +840,8 @@ TEST(ServerCli, UsageErrorsExitTwoNamingTheArgument) {
       {{"--listen"}, "--listen"},
       // Either would exit before the other: asking for both is a mistake.
       {{"--check-config", "--print-config"}, "excludes"},
+      // The file without --config: named as such.
+      {{"--check-config", "config/ember.toml"}, "give the config file with --config FILE"},
   };
   for (const auto& c : cases) {
     auto r = run_cli(dir, c.args);
