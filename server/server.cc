@@ -254,6 +254,8 @@ struct Server::Impl final : ReplySink {
   void on_message(transport::Connection& conn, transport::Incoming&& msg);
   void on_closed(transport::Connection& conn, const Error& reason);
   void close_bad(ConnState& c, const Error& why);
+  // Closes `c` from this side, marked as such (ConnState::closed_here).
+  void close_here(ConnState& c, std::chrono::nanoseconds drain = std::chrono::seconds(1));
   // `more_in_batch`: the received message's Incoming::more_in_batch.
   void dispatch(ConnState& c, std::uint32_t channel, const proto::Header& h,
                 const std::array<std::uint64_t, proto::kMaxDims>& dims, Payload payload,
@@ -871,8 +873,12 @@ void Server::Impl::close_bad(ConnState& c, const Error& why) {
   if (!c.closing.exchange(true)) {
     log->warn("closing the connection of worker {} ({}): {}", c.rank, c.peer, why.to_string());
   }
+  close_here(c);
+}
+
+void Server::Impl::close_here(ConnState& c, std::chrono::nanoseconds drain) {
   c.closed_here.store(true);
-  c.conn->close();
+  c.conn->close(drain);
 }
 
 bool Server::Impl::first_out_of_step(std::uint32_t rank, std::uint64_t key, std::uint32_t chunk) {
@@ -1032,10 +1038,7 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     if (s) {
       s = c->conn->send(to.channel, std::move(b));
       // The header went out without its payload: the channel is out of step.
-      if (!s) {
-        c->closed_here.store(true);
-        c->conn->close();
-      }
+      if (!s) close_here(*c);
     }
   }
   if (!s) log->debug("reply to worker {} not sent: {}", c->rank, s.error().to_string());
@@ -1223,8 +1226,7 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
       const auto reply = proto::encode_error_reply(h, *c->refused);
       (void)c->conn->send(msg.channel, reply);
       (void)c->conn->flush(msg.channel);
-      c->closed_here.store(true);
-      c->conn->close();
+      close_here(*c);
     }
     return;
   }
@@ -1435,10 +1437,7 @@ Status Server::Impl::shutdown() {
     std::shared_lock lock(conns_mutex);
     for (const auto& [id, c] : by_id) open.push_back(c);
   }
-  for (auto& c : open) {
-    c->closed_here.store(true);
-    c->conn->close(std::chrono::milliseconds(500));
-  }
+  for (auto& c : open) close_here(*c, std::chrono::milliseconds(500));
   {
     std::shared_lock lock(conns_mutex);
     conns_cv.wait_for(lock, std::chrono::seconds(2), [&] { return by_id.empty(); });

@@ -672,10 +672,9 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   } else if (quick) {
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (1 attempt: the "
                                   "last reconnect already failed after {} attempt(s) of [worker] "
-                                  "connect_retries; restart the server or check the address{})",
+                                  "connect_retries; restart the server or check the address)",
                                   config.worker.rank, link.index, link.address,
-                                  link.failed_cycle_attempts.load(std::memory_order_relaxed),
-                                  mismatch));
+                                  link.failed_cycle_attempts.load(std::memory_order_relaxed)));
   } else {
     if (!closing.load()) link.failed_cycle_attempts.store(made, std::memory_order_relaxed);
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (after {} of {} "
@@ -706,9 +705,9 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
                       config.worker.rank, link.index, link.address);
   }
   // The open connection once its join succeeded. While another thread joins
-  // it, wait: the join may refuse the server
-  // (check_same_settings), and nothing may reach it before. The join ends
-  // within request_timeout (its reply, a failure or the connection's close).
+  // it, wait: the join may refuse the server (check_same_settings), and
+  // nothing may reach it before. The join ends within request_timeout (its
+  // reply, a failure or the connection's close).
   auto usable = [&]() -> Result<bool> {
     // A safety bound only: each join ends within request_timeout (its reply,
     // a failure or the connection's close), and a sender waits for one join,
