@@ -140,6 +140,11 @@ struct Op {
   // (transport::Connection::poll) instead of waiting for the worker's I/O
   // thread to be scheduled. Empty over tcp and rdma.
   std::weak_ptr<transport::Connection> progress;
+  // When the worker's timer fails the operation with kTimeout (issue time +
+  // [worker] request_timeout). A call that has to wait for its server's
+  // connection (a reconnect, a join, re-sends) waits no longer than this.
+  // Set before the Op is shared.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   // What the operation is, for its timeout and out-of-step errors: what()
   // returns `what_text` when set, else "<verb> of key <key> step <step> to
   // server <servers>" from the what_* fields. That text is formatted only

@@ -251,9 +251,12 @@ std::uint64_t message_bytes(const Outgoing& o) {
 struct ServerLink {
   std::uint32_t index = 0;
   std::string address;
-  std::mutex mutex;  // guards conn, gen, joined_gen, join_error, join_error_gen (reconnects)
+  std::mutex mutex;  // guards conn, gen, connecting, joined_gen, join_error, join_error_gen
   std::shared_ptr<transport::Connection> conn;
   std::uint64_t gen = 0;
+  // A thread is connecting generation gen + 1 (Impl::connection), without
+  // holding `mutex`: other senders wait on joined_cv. Notified when it ends.
+  bool connecting = false;
   // The generation whose join succeeded. conn is published before its join
   // is sent (the join goes out on it), so while joined_gen != gen only the
   // join may use it: every other sender waits on joined_cv (with mutex), so
@@ -463,8 +466,11 @@ struct Worker::Impl {
   Status init(const config::Config& cfg);
   // quick: one attempt (see ServerLink::failed_cycle_attempts), else
   // connect_retries + 1 with back-off.
-  Result<std::shared_ptr<transport::Connection>> connect(ServerLink& link, std::uint64_t gen,
-                                                         bool quick = false);
+  // `deadline`: a request's (Op::deadline); no attempt starts after it (one
+  // may end up to connect_timeout later), and the error is then kTimeout.
+  Result<std::shared_ptr<transport::Connection>> connect(
+      ServerLink& link, std::uint64_t gen, bool quick = false,
+      Clock::time_point deadline = Clock::time_point::max());
   // Joins the connection of generation `gen`, which this thread opened.
   Status join(ServerLink& link, std::uint64_t gen);
   // Refuses a server whose consistency, staleness, loss policy or
@@ -479,12 +485,21 @@ struct Worker::Impl {
   // this thread just opened: the one request sent on a connection before its
   // join succeeded, and only on that connection (kClosed once it closed or
   // another took its place). Every other sender waits for that join to end
-  // (within request_timeout).
-  Result<std::shared_ptr<transport::Connection>> connection(ServerLink& link, std::uint64_t& gen,
-                                                            bool after_resends = false,
-                                                            bool for_join = false);
-  // Waits (bounded by request_timeout) until on_closed of generation `gen` has run.
-  void wait_announced(ServerLink& link, std::uint64_t gen);
+  // (within request_timeout). One thread connects at a time (ServerLink::
+  // connecting); link.mutex is not held across the connect cycle.
+  // `deadline`: the request's (Op::deadline): no wait (for another thread's
+  // connect or join, for re-sends) lasts past it, and no connect attempt
+  // starts after it; then kTimeout. The join this thread sends after its
+  // connect may take up to request_timeout more. Without one (the first
+  // connect, the re-sender), waits have a safety bound and the connect
+  // cycle runs to its end.
+  Result<std::shared_ptr<transport::Connection>> connection(
+      ServerLink& link, std::uint64_t& gen, bool after_resends = false, bool for_join = false,
+      Clock::time_point deadline = Clock::time_point::max());
+  // Waits (bounded by request_timeout and `deadline`) until on_closed of
+  // generation `gen` has run.
+  void wait_announced(ServerLink& link, std::uint64_t gen,
+                      Clock::time_point deadline = Clock::time_point::max());
 
   // ---- I/O callbacks ----
   // Per connection: a reply header whose payload is the next message on its
@@ -513,8 +528,9 @@ struct Worker::Impl {
   void queue_resend(ServerLink& link, ResendJob&& job);
   void resend_loop(ServerLink& link);
   void run_resend(ServerLink& link, ResendJob&& job);
-  // Senders other than the re-sender wait here while re-sends are queued.
-  void wait_for_resends(ServerLink& link);
+  // Senders other than the re-sender wait here while re-sends are queued
+  // (bounded by request_timeout and `deadline`).
+  void wait_for_resends(ServerLink& link, Clock::time_point deadline = Clock::time_point::max());
   void set_note(const Op* op, std::string note);
   void clear_note(const Op* op);
 
@@ -601,8 +617,8 @@ Status Worker::Impl::init(const config::Config& cfg) {
 }
 
 Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink& link,
-                                                                    std::uint64_t gen,
-                                                                    bool quick) {
+                                                                    std::uint64_t gen, bool quick,
+                                                                    Clock::time_point deadline) {
   transport::Handlers handlers;
   const std::uint32_t s = link.index;
   auto follow = std::make_shared<FollowState>();
@@ -619,9 +635,14 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   Error last;
   std::uint32_t made = 0;  // attempts actually made
   bool hopeless = false;   // an error a retry cannot cure ended the loop early
+  bool out_of_time = false;  // the request's deadline ended the loop early
   for (std::uint32_t attempt = 1; attempt <= attempts; ++attempt) {
     if (closing.load()) {
       last = Error(ErrorCode::kClosed, "the worker is shutting down");
+      break;
+    }
+    if (attempt > 1 && Clock::now() >= deadline) {
+      out_of_time = true;
       break;
     }
     auto conn = transport->connect(
@@ -645,7 +666,8 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
       if (closing.load()) break;
       // Back-off between attempts (the server may still be starting); a
       // Worker being destroyed interrupts it.
-      timer_cv.wait_for(lock, backoff, [&] { return closing.load(); });
+      timer_cv.wait_until(lock, std::min(deadline, Clock::now() + backoff),
+                          [&] { return closing.load(); });
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
@@ -654,7 +676,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   // after a whole failed cycle (seconds), not on the quick path; a server
   // there logs the probe as a peer that closed during the handshake.
   std::string mismatch;
-  if (!hopeless && !quick && kind == transport::Kind::kShm && !closing.load()) {
+  if (!hopeless && !quick && !out_of_time && kind == transport::Kind::kShm && !closing.load()) {
     const config::HostPort& hp = config.cluster.servers.at(link.index);
     if (worker_detail::accepts_tcp(hp.host, hp.port, std::chrono::milliseconds(500))) {
       mismatch = fmt::format(
@@ -669,6 +691,16 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
                                   "retried: a retry cannot cure {})",
                                   config.worker.rank, link.index, link.address, made,
                                   error_code_name(last.code())));
+  } else if (out_of_time) {
+    // Not a failed cycle: the next request makes a whole one again.
+    last = Error(ErrorCode::kTimeout,
+                 fmt::format("the request's [worker] request_timeout ({}) ran out during attempt "
+                             "{} of {} ([worker] connect_retries); the last attempt: {}",
+                             std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 config.worker.request_timeout),
+                             made, attempts, last.to_string()));
+    last.with_context(fmt::format("worker {}: cannot connect to server {} at {}",
+                                  config.worker.rank, link.index, link.address));
   } else if (quick) {
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (1 attempt: the "
                                   "last reconnect already failed after {} attempt(s) of [worker] "
@@ -685,16 +717,17 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   return tl::unexpected(last);
 }
 
-void Worker::Impl::wait_announced(ServerLink& link, std::uint64_t gen) {
+void Worker::Impl::wait_announced(ServerLink& link, std::uint64_t gen, Clock::time_point deadline) {
   std::unique_lock lock(link.resend_mutex);
-  link.resend_cv.wait_for(lock, config.worker.request_timeout,
-                          [&] { return closing.load() || link.announced_gen >= gen; });
+  link.resend_cv.wait_until(lock, std::min(deadline, Clock::now() + config.worker.request_timeout),
+                            [&] { return closing.load() || link.announced_gen >= gen; });
 }
 
 Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLink& link,
                                                                        std::uint64_t& gen,
                                                                        bool after_resends,
-                                                                       bool for_join) {
+                                                                       bool for_join,
+                                                                       Clock::time_point deadline) {
   std::unique_lock lock(link.mutex);
   if (for_join) {
     // The join goes on the connection its thread opened, or not at all (that
@@ -704,38 +737,55 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
                       "worker {}: the connection to server {} at {} closed before its join went out",
                       config.worker.rank, link.index, link.address);
   }
-  // The open connection once its join succeeded. While another thread joins
-  // it, wait: the join may refuse the server (check_same_settings), and
-  // nothing may reach it before. The join ends within request_timeout (its
-  // reply, a failure or the connection's close).
-  auto usable = [&]() -> Result<bool> {
-    // A safety bound only: each join ends within request_timeout (its reply,
-    // a failure or the connection's close), and a sender waits for one join,
-    // or for the next one a thread opened meanwhile.
-    const auto deadline = std::chrono::steady_clock::now() + 2 * config.worker.request_timeout;
-    for (;;) {
-      if (!link.conn || link.conn->is_closed()) return false;
-      if (link.joined_gen == link.gen) return true;
-      if (closing.load()) {
-        return make_error(ErrorCode::kClosed, "worker {}: shutting down while server {} joins",
-                          config.worker.rank, link.index);
-      }
-      const std::uint64_t joining = link.gen;
-      const bool ended = link.joined_cv.wait_until(lock, deadline, [&] {
-        return closing.load() || link.gen != joining || link.joined_gen == joining ||
-               link.join_error_gen == joining || link.conn->is_closed();
+  // Without a request's deadline (the re-sender, the first connect), waits
+  // for another thread's connect and join are bounded by this safety bound:
+  // each join ends within request_timeout (its reply, a failure or the
+  // connection's close), and each connect cycle within connect_retries.
+  const bool bounded = deadline != Clock::time_point::max();
+  const Clock::time_point wait_end =
+      bounded ? deadline
+              : Clock::now() + 2 * config.worker.request_timeout +
+                    (config.worker.connect_retries + 1) *
+                        (config.worker.connect_timeout + std::chrono::seconds(1));
+  auto timed_out = [&](std::string_view while_what) {
+    return make_error(ErrorCode::kTimeout,
+                      "worker {}: gave up waiting for server {} at {} while {}: {}",
+                      config.worker.rank, link.index, link.address, while_what,
+                      bounded ? fmt::format("the request's [worker] request_timeout ({}) ran out",
+                                            std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                config.worker.request_timeout))
+                              : std::string("twice [worker] request_timeout plus a whole connect "
+                                            "cycle passed"));
+  };
+  bool waited_resends = false;
+  for (;;) {
+    if (closing.load()) {
+      return make_error(ErrorCode::kClosed, "worker {}: shutting down while server {} connects",
+                        config.worker.rank, link.index);
+    }
+    const bool open = link.conn && !link.conn->is_closed();
+    if (!link.connecting && open && link.joined_gen == link.gen) {
+      gen = link.gen;
+      return link.conn;
+    }
+    if (link.connecting || (open && link.join_error_gen != link.gen)) {
+      // Another thread connects (link.mutex is not held across a connect
+      // cycle, so that check_same_settings of another server and stop() never
+      // wait for one) or joins this connection; nothing may reach a server
+      // before its join succeeded (the join may refuse it:
+      // check_same_settings). Wait for that to end.
+      const std::uint64_t watched = link.connecting ? link.gen + 1 : link.gen;
+      const std::string_view what = link.connecting ? "another thread connects" : "it joins";
+      const bool ended = link.joined_cv.wait_until(lock, wait_end, [&] {
+        if (closing.load()) return true;
+        if (link.connecting) return false;
+        if (link.gen != watched) return true;  // that connect failed: no such generation
+        return !link.conn || link.conn->is_closed() || link.joined_gen == watched ||
+               link.join_error_gen == watched;
       });
-      if (!ended) {
-        return make_error(ErrorCode::kTimeout,
-                          "worker {}: the join of server {} at {} did not end within twice "
-                          "[worker] request_timeout = {} ms",
-                          config.worker.rank, link.index, link.address,
-                          std::chrono::duration_cast<std::chrono::milliseconds>(
-                              config.worker.request_timeout)
-                              .count());
-      }
-      if (link.gen == joining && link.join_error_gen == joining && link.join_error &&
-          link.poisoned_gen.load() == joining) {
+      if (!ended) return timed_out(what);
+      if (link.gen == watched && link.join_error_gen == watched && link.join_error &&
+          link.poisoned_gen.load() == watched) {
         // The join this sender waited for was refused (another [cluster]
         // table, other server settings): that is its outcome too, rather
         // than a join of its own to be refused again. A join that failed on
@@ -744,42 +794,47 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
         // connection joins.
         return tl::unexpected(*link.join_error);
       }
+      continue;
     }
-  };
-  EMBER_ASSIGN_OR_RETURN(const bool open, usable());
-  if (open) {
-    gen = link.gen;
-    return link.conn;
-  }
-  if (after_resends && link.conn) {
-    // Lost: its requests go first (on_closed queues them; the re-sender
-    // reconnects). Then use whatever connection is open.
-    const std::uint64_t lost_gen = link.gen;
-    lock.unlock();
-    wait_announced(link, lost_gen);
-    wait_for_resends(link);
-    lock.lock();
-    EMBER_ASSIGN_OR_RETURN(const bool reopened, usable());
-    if (reopened) {
-      gen = link.gen;
-      return link.conn;
+    if (after_resends && link.conn && !waited_resends) {
+      // Lost: its requests go first (on_closed queues them; the re-sender
+      // reconnects). Then use whatever connection is open.
+      waited_resends = true;
+      const std::uint64_t lost_gen = link.gen;
+      lock.unlock();
+      wait_announced(link, lost_gen, deadline);
+      wait_for_resends(link, deadline);
+      lock.lock();
+      if (bounded && Clock::now() >= deadline) return timed_out("its lost requests were re-sent");
+      continue;
     }
+    break;
   }
+  if (bounded && Clock::now() >= deadline) return timed_out("its connection was lost");
+  // This thread connects. Others wait (above) for it to end.
   const std::uint64_t new_gen = link.gen + 1;
+  link.connecting = true;
+  lock.unlock();
   // A sender after a failed reconnect cycle tries once (the re-sender, and
   // the first connect, always make the whole cycle).
   const bool quick =
       after_resends && link.failed_cycle_attempts.load(std::memory_order_relaxed) > 0;
-  EMBER_ASSIGN_OR_RETURN(auto conn, connect(link, new_gen, quick));
-  if (closing.load()) {
+  auto connected = connect(link, new_gen, quick, deadline);
+  lock.lock();
+  link.connecting = false;
+  if (!connected || closing.load()) {
+    link.joined_cv.notify_all();
+    if (!connected) return tl::unexpected(connected.error());
     // stop() closes link.conn after setting `closing`; this one it cannot see.
-    conn->close();
+    (*connected)->close();
     return make_error(ErrorCode::kClosed, "worker {}: shutting down while connecting to server {}",
                       config.worker.rank, link.index);
   }
+  auto conn = std::move(*connected);
   link.conn = conn;
   link.gen = new_gen;
   gen = new_gen;
+  link.joined_cv.notify_all();  // waiters now wait for its join
   lock.unlock();
   Status joined = join(link, new_gen);
   if (!joined) {
@@ -941,7 +996,8 @@ std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts, std::string what) 
       std::erase_if(timers, is_finished);
       timers_sweep_at = std::max(kTimerSweepMin, 2 * timers.size());
     }
-    timers.push_back(Timer{Clock::now() + config.worker.request_timeout, op});
+    op->deadline = Clock::now() + config.worker.request_timeout;
+    timers.push_back(Timer{op->deadline, op});
   }
   // The timer thread is not woken: deadlines only grow, and on an empty
   // queue it sleeps at most request_timeout (timer_loop), so it is awake by
@@ -1118,12 +1174,13 @@ void Worker::Impl::queue_resend(ServerLink& link, ResendJob&& job) {
   }
 }
 
-void Worker::Impl::wait_for_resends(ServerLink& link) {
+void Worker::Impl::wait_for_resends(ServerLink& link, Clock::time_point deadline) {
   std::unique_lock lock(link.resend_mutex);
   // Bounded: a sender never waits longer than its own request could.
-  link.resend_cv.wait_for(lock, config.worker.request_timeout, [&] {
-    return closing.load() || link.resends_queued.load(std::memory_order_acquire) == 0;
-  });
+  link.resend_cv.wait_until(
+      lock, std::min(deadline, Clock::now() + config.worker.request_timeout), [&] {
+        return closing.load() || link.resends_queued.load(std::memory_order_acquire) == 0;
+      });
 }
 
 void Worker::Impl::resend_loop(ServerLink& link) {
@@ -1204,8 +1261,12 @@ void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
     }
     reqs = std::move(keep);
     if (reqs.empty()) return;
+    // Reconnecting is of no use once every request has timed out: the cycle
+    // ends with the last one's deadline.
+    Clock::time_point latest = Clock::time_point::min();
+    for (const auto& r : reqs) latest = std::max(latest, r.op->deadline);
     std::uint64_t gen = 0;
-    auto conn = connection(link, gen);
+    auto conn = connection(link, gen, false, false, latest);
     if (!conn) {
       last = conn.error();
       const ErrorCode code = last.code();
@@ -1357,10 +1418,11 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   ServerLink& link = *servers[o.server];
   // Re-sent requests of this server go first (rare: a connection was lost).
   if (!resending && link.resends_queued.load(std::memory_order_acquire) != 0) [[unlikely]] {
-    wait_for_resends(link);
+    wait_for_resends(link, o.op->deadline);
   }
   std::uint64_t gen = o.join_gen;
-  auto conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin);
+  auto conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin,
+                         o.op->deadline);
   if (!conn) {
     o.op->fail(conn.error());
     return;
@@ -1424,7 +1486,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
       // The connection closed under this send: re-send it like the requests
       // on_closed finds, unless on_closed took it already (then it did). Once
       // on_closed has run, its job (earlier requests) is queued before this one.
-      wait_announced(link, gen);
+      wait_announced(link, gen, o.op->deadline);
       auto req = pending.take(id);
       if (!req) return;
       req->window = WindowLease();  // closed with its connection (as in on_closed)

@@ -87,9 +87,19 @@
 // until a connect succeeds again: after the re-sender gave up, later calls
 // fail at once instead of each waiting out connect_retries.
 //
-// Asynchrony. Every call returns a Handle at once (handle.h); wait() or
+// Asynchrony. Every call returns a Handle (handle.h); wait() or
 // async_wait() gives the Result. Errors found before sending (unknown key,
-// wrong sizes) come back as an already failed Handle. Calls from different
+// wrong sizes) come back as an already failed Handle. A call returns once
+// its request is handed to the transport, at once while its server's
+// connection is up. When the connection is being re-established (by the
+// re-sender or another call), or re-sends are queued, the call waits for
+// that, never past its request_timeout: its Handle then fails with kTimeout
+// naming the server and what it waited for. A call that finds the
+// connection lost and nobody reconnecting makes the attempt itself: it
+// starts no attempt after its request_timeout, but one under way may last
+// up to connect_timeout, and the join that follows a successful connect up
+// to request_timeout. A pipeline()'s enqueue() never waits; its flush()
+// sends, so it may. Calls from different
 // threads may overlap; per key and worker, issue pushes in step order (a
 // call returns after its request is handed to the channel, so a call made
 // after another returned is sent after it; two concurrent pushes of one key
@@ -125,7 +135,8 @@
 //
 // Thread-safety: all Worker and Pipeline methods may be called from any
 // thread, except create/destruction. Blocking: create() (connect, join);
-// Handle::wait; allocate never blocks. The Worker must outlive its Handles'
+// Handle::wait; a call or flush() while its server's connection is being
+// re-established (bounded: see Asynchrony); allocate never blocks. The Worker must outlive its Handles'
 // operations, its TensorBuffers and its Pipelines.
 #pragma once
 

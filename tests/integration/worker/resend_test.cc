@@ -10,7 +10,11 @@
 //    gradient counts once);
 //  * a server that never comes back: the operation fails within
 //    request_timeout with an error naming the server, the attempts and the
-//    knob (attempts used up first, or the timeout first).
+//    knob (attempts used up first, or the timeout first);
+//  * while the re-sender reconnects (a long connect cycle), a new call
+//    returns its Handle within its request_timeout, and a rejoin of another
+//    server (which compares settings with every server) does not wait for
+//    that cycle.
 // Nothing sleeps to wait: processes are awaited through their stdout and
 // pidfd with deadlines, operations through their Handles.
 #include <signal.h>
@@ -21,6 +25,8 @@
 #include <condition_variable>
 #include <filesystem>
 #include <mutex>
+#include <optional>
+#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -28,6 +34,7 @@
 #include <gtest/gtest.h>
 
 #include "common/base/logging.h"
+#include "common/placement/placement.h"
 #include "tests/integration/server/harness.h"
 #include "tests/integration/server/log_watch.h"
 #include "worker/worker.h"
@@ -325,6 +332,90 @@ TEST(WorkerResend, ServerThatNeverComesBackFailsWithinRequestTimeoutNamingTheAtt
   const auto t1 = std::chrono::steady_clock::now();
   s.worker.reset();
   EXPECT_LT(std::chrono::steady_clock::now() - t1, 5s);
+}
+
+TEST(WorkerResend, ACallWhileTheReSenderReconnectsReturnsWithinItsRequestTimeout) {
+  // The re-sender's cycle (connect_retries = 50, back-off up to 1 s) would
+  // last about 45 s; a call made meanwhile waits for it at most its own
+  // request_timeout (worker.h: calls return their Handle, they do not hang).
+  WorkerLogWatch log_watch;  // before the Worker: see log_watch.h
+  PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "3"}, {"worker.connect_retries", "50"}},
+                "3s");
+  ASSERT_TRUE(s.worker);
+  Handle pending = s.pull_step_1();
+  kill_nine(*s.server);
+  ASSERT_TRUE(log_watch.watch->wait_for("reconnecting to re-send 1 request(s)", 15s));
+
+  const std::vector<float> g = gradient(0, 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  Handle h = s.worker->push(kKey, g);
+  const auto call = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(call, 5s) << "push() blocked for "
+                      << std::chrono::duration_cast<std::chrono::milliseconds>(call).count()
+                      << " ms (request_timeout 3 s)";
+  for (Handle* each : {&pending, &h}) {
+    auto r = each->wait();
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.error().code(), ErrorCode::kTimeout) << r.error().to_string();
+    EXPECT_THAT(r.error().message(), HasSubstr("request_timeout (3000ms)")) << r.error().to_string();
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  s.worker.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 5s);
+}
+
+// A key of `spec`'s 2 servers that server `server` holds (its one chunk).
+Key key_on(std::uint32_t server, Key from) {
+  Key k = from;
+  while (placement::server_of(k, 0, 2) != server) ++k;
+  return k;
+}
+
+TEST(WorkerResend, ARejoinDoesNotWaitForAnotherServersConnectCycle) {
+  // Server 1 is gone and a push to it reconnects (a long cycle); server 0
+  // restarts meanwhile, and the worker's next call to it rejoins. The join
+  // compares server 0's settings with every other server's
+  // (check_same_settings), which must not wait for server 1's cycle.
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_servers = 2;
+  spec.request_timeout = "6s";
+  ServerProcess s0(dir, spec, 0);
+  ServerProcess s1(dir, spec, 1);
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  config::Config c = worker_config(spec, {s0.address(), s1.address()}, 0);
+  ASSERT_TRUE(config::set_value(c, "worker.connect_retries", "50"));
+  ASSERT_TRUE(config::set_value(c, "worker.resend_attempts", "3"));
+  auto created = Worker::create(c);
+  ASSERT_TRUE(created) << created.error().to_string();
+  std::unique_ptr<Worker> w = std::move(*created);
+  const Key k0 = key_on(0, 100), k1 = key_on(1, 100);
+  for (Key k : {k0, k1}) {
+    auto r = w->init(k, kShape, initial()).wait();
+    ASSERT_TRUE(r) << r.error().to_string();
+  }
+
+  kill_nine(s1);
+  const std::vector<float> g = gradient(0, 0);
+  std::optional<Result<std::uint64_t>> to_s1;
+  std::thread cycle([&] { to_s1 = w->push(k1, g).wait(); });  // reconnects to server 1
+
+  kill_nine(s0);
+  auto again = restart_server(dir, s0.address(), "server0-restarted.log");
+  ASSERT_TRUE(again->running());
+  const Key fresh = key_on(0, k0 + 1);  // the restarted server has no keys
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = w->init(fresh, kShape, initial()).wait();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  cycle.join();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_LT(took, 4s) << "the rejoin of server 0 took "
+                      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
+  EXPECT_THAT(read_file(dir / "server0-restarted.log"), HasSubstr("worker 0 connected"));
+  // The push to server 1 gave up within its own request_timeout.
+  ASSERT_TRUE(to_s1.has_value());
+  ASSERT_FALSE(*to_s1);
+  EXPECT_EQ(to_s1->error().code(), ErrorCode::kTimeout) << to_s1->error().to_string();
 }
 
 }  // namespace
