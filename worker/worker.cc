@@ -674,7 +674,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   // An shm worker that found no shm listener: a tcp listener at the same
   // host:port is most likely this job's server, on another transport. Only
   // after a whole failed cycle (seconds), not on the quick path; a server
-  // there logs the probe as a peer that closed during the handshake.
+  // there logs the probe at info level as a harmless port probe.
   std::string mismatch;
   if (!hopeless && !quick && !out_of_time && kind == transport::Kind::kShm && !closing.load()) {
     const config::HostPort& hp = config.cluster.servers.at(link.index);

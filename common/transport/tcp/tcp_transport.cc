@@ -1229,6 +1229,17 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
         read_hello(p);
         return;
       }
+      if (p->buf.empty() && n == 0) {
+        // Connected and closed without a byte: a port probe or health check
+        // (an Ember shm worker probes tcp at its server's address when it
+        // finds no shm listener there). Not worth a warning.
+        refuse(p,
+               Error(ErrorCode::kClosed,
+                     "connected and closed without sending a hello (a port probe or health "
+                     "check, such as an shm worker looking for its server over tcp); harmless"),
+               false, spdlog::level::info);
+        return;
+      }
       refuse(p, Error(ErrorCode::kClosed, "peer closed the connection during the handshake"),
              false);
       return;
@@ -1250,8 +1261,10 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
     accept_stream(p, std::move(*hello));
   }
 
-  // Sends a refusal Reply (when `reply`), logs once, closes the stream.
-  void refuse(const std::shared_ptr<Pending>& p, const Error& why, bool reply) {
+  // Sends a refusal Reply (when `reply`), logs once (at `level`), closes the
+  // stream.
+  void refuse(const std::shared_ptr<Pending>& p, const Error& why, bool reply,
+              spdlog::level::level_enum level = spdlog::level::warn) {
     if (p->done) return;
     p->done = true;
     refused_.fetch_add(1, std::memory_order_relaxed);
@@ -1261,7 +1274,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       auto ep = p->socket->remote_endpoint(ec);
       if (!ec) peer = endpoint_to_string(ep);
     }
-    tcp_log()->warn("listener {}: refused {}: {}", address_, peer, why.to_string());
+    tcp_log()->log(level, "listener {}: refused {}: {}", address_, peer, why.to_string());
     if (reply && p->socket) {
       handshake::Reply r;
       r.status = why.code();

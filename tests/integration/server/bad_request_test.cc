@@ -14,6 +14,7 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -577,6 +578,19 @@ TEST(BadRequestsServers, ShmWorkerAtATcpServerIsToldTheTransportsDiffer) {
   ASSERT_TRUE(ok) << ok.error().to_string();
   const std::uint64_t shape[] = {2};
   EXPECT_TRUE((*ok)->init(1, shape, std::vector<float>{1, 2}).wait());
+  // The server logged the probe as harmless, at info level, not as a failed
+  // handshake. (Its log is a file the server appends to: read it until the
+  // line is there, for at most 10 s.)
+  const std::string probe = "connected and closed without sending a hello";
+  std::string log = server.log();
+  for (const auto end = std::chrono::steady_clock::now() + 10s;
+       log.find(probe) == std::string::npos && std::chrono::steady_clock::now() < end;
+       log = server.log()) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_NE(log.find(probe), std::string::npos) << log;
+  EXPECT_NE(log.find("[info] [tcp] listener"), std::string::npos) << log;
+  EXPECT_EQ(log.find("during the handshake"), std::string::npos) << log;
 }
 
 // A reply placement (proto::kFlagInPlace) the server cannot write — past
