@@ -304,8 +304,8 @@ struct ServerLink {
   // Impl::settings_mutex.
   std::optional<proto::JoinReplyBody> settings;
   std::uint64_t settings_gen = 0;
-  // Attempts of the last full reconnect cycle to this server when it failed
-  // (0: the last connect succeeded). While set, a new request reconnects
+  // Attempts of the last reconnect cycle to this server when it failed, or
+  // ended at a request's deadline (0: the last connect succeeded). While set, a new request reconnects
   // with one attempt instead of a full cycle (connect(quick)), so after the
   // re-sender gave up, each later call fails at once (or finds the server
   // back) rather than waiting out connect_retries again.
@@ -467,7 +467,8 @@ struct Worker::Impl {
   // quick: one attempt (see ServerLink::failed_cycle_attempts), else
   // connect_retries + 1 with back-off.
   // `deadline`: a request's (Op::deadline); no attempt starts after it (one
-  // may end up to connect_timeout later), and the error is then kTimeout.
+  // may end up to connect_timeout later), and the error is then kTimeout. A
+  // cycle so cut short counts as failed (failed_cycle_attempts).
   Result<std::shared_ptr<transport::Connection>> connect(
       ServerLink& link, std::uint64_t gen, bool quick = false,
       Clock::time_point deadline = Clock::time_point::max());
@@ -487,15 +488,18 @@ struct Worker::Impl {
   // another took its place). Every other sender waits for that join to end
   // (within request_timeout). One thread connects at a time (ServerLink::
   // connecting); link.mutex is not held across the connect cycle.
-  // `deadline`: the request's (Op::deadline): no wait (for another thread's
-  // connect or join, for re-sends) lasts past it, and no connect attempt
-  // starts after it; then kTimeout. The join this thread sends after its
-  // connect may take up to request_timeout more. Without one (the first
-  // connect, the re-sender), waits have a safety bound and the connect
-  // cycle runs to its end.
+  // `deadline`: the request's (Op::deadline; for the re-sender, the latest
+  // of its requests'): no wait (for another thread's connect or join, for
+  // re-sends) lasts past it, no connect attempt starts after it, and after
+  // a wait an open connection is not returned past it; then kTimeout. The
+  // join this thread sends after its connect may take up to request_timeout
+  // more. Without one (the first connect, in init()), waits have a safety
+  // bound (twice request_timeout) and the connect cycle runs to its end.
+  // `waiter`: the sender's operation, whose timeout error then says what it
+  // waited for (a note, see timer_loop); null for the re-sender.
   Result<std::shared_ptr<transport::Connection>> connection(
       ServerLink& link, std::uint64_t& gen, bool after_resends = false, bool for_join = false,
-      Clock::time_point deadline = Clock::time_point::max());
+      Clock::time_point deadline = Clock::time_point::max(), const Op* waiter = nullptr);
   // Waits (bounded by request_timeout and `deadline`) until on_closed of
   // generation `gen` has run.
   void wait_announced(ServerLink& link, std::uint64_t gen,
@@ -692,9 +696,11 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
                                   config.worker.rank, link.index, link.address, made,
                                   error_code_name(last.code())));
   } else if (out_of_time) {
-    // Not a failed cycle: the next request makes a whole one again.
+    // Counts as a failed cycle (a cycle longer than request_timeout would
+    // otherwise never end as one): later requests try once each.
+    if (!closing.load()) link.failed_cycle_attempts.store(made, std::memory_order_relaxed);
     last = Error(ErrorCode::kTimeout,
-                 fmt::format("the request's [worker] request_timeout ({}) ran out during attempt "
+                 fmt::format("the request's [worker] request_timeout ({}) ran out after attempt "
                              "{} of {} ([worker] connect_retries); the last attempt: {}",
                              std::chrono::duration_cast<std::chrono::milliseconds>(
                                  config.worker.request_timeout),
@@ -727,7 +733,8 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
                                                                        std::uint64_t& gen,
                                                                        bool after_resends,
                                                                        bool for_join,
-                                                                       Clock::time_point deadline) {
+                                                                       Clock::time_point deadline,
+                                                                       const Op* waiter) {
   std::unique_lock lock(link.mutex);
   if (for_join) {
     // The join goes on the connection its thread opened, or not at all (that
@@ -737,16 +744,11 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
                       "worker {}: the connection to server {} at {} closed before its join went out",
                       config.worker.rank, link.index, link.address);
   }
-  // Without a request's deadline (the re-sender, the first connect), waits
-  // for another thread's connect and join are bounded by this safety bound:
-  // each join ends within request_timeout (its reply, a failure or the
-  // connection's close), and each connect cycle within connect_retries.
+  // Without a deadline (only the first connect, in init(), which no other
+  // thread can be connecting meanwhile), a wait has a safety bound.
   const bool bounded = deadline != Clock::time_point::max();
   const Clock::time_point wait_end =
-      bounded ? deadline
-              : Clock::now() + 2 * config.worker.request_timeout +
-                    (config.worker.connect_retries + 1) *
-                        (config.worker.connect_timeout + std::chrono::seconds(1));
+      bounded ? deadline : Clock::now() + 2 * config.worker.request_timeout;
   auto timed_out = [&](std::string_view while_what) {
     return make_error(ErrorCode::kTimeout,
                       "worker {}: gave up waiting for server {} at {} while {}: {}",
@@ -754,10 +756,26 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
                       bounded ? fmt::format("the request's [worker] request_timeout ({}) ran out",
                                             std::chrono::duration_cast<std::chrono::milliseconds>(
                                                 config.worker.request_timeout))
-                              : std::string("twice [worker] request_timeout plus a whole connect "
-                                            "cycle passed"));
+                              : std::string("twice [worker] request_timeout passed"));
+  };
+  // While this sender waits, its operation's timeout error (timer_loop)
+  // says what for.
+  struct Note {  // set on the slow paths only; cleared on return
+    Impl* impl;
+    const Op* op;
+    bool set = false;
+    ~Note() {
+      if (set) impl->clear_note(op);
+    }
+  } note{this, waiter};
+  auto wait_note = [&](std::string_view while_what) {
+    if (waiter == nullptr) return;
+    note.set = true;
+    set_note(waiter, fmt::format("waiting for server {} at {} while {}", link.index, link.address,
+                                 while_what));
   };
   bool waited_resends = false;
+  bool waited = false;
   for (;;) {
     if (closing.load()) {
       return make_error(ErrorCode::kClosed, "worker {}: shutting down while server {} connects",
@@ -765,6 +783,9 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
     }
     const bool open = link.conn && !link.conn->is_closed();
     if (!link.connecting && open && link.joined_gen == link.gen) {
+      // After a wait, a request whose time is up stays unsent (it would
+      // overtake re-sends still queued, and its caller has a kTimeout).
+      if (waited && bounded && Clock::now() >= deadline) return timed_out("it was connecting");
       gen = link.gen;
       return link.conn;
     }
@@ -776,6 +797,8 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
       // check_same_settings). Wait for that to end.
       const std::uint64_t watched = link.connecting ? link.gen + 1 : link.gen;
       const std::string_view what = link.connecting ? "another thread connects" : "it joins";
+      waited = true;
+      wait_note(what);
       const bool ended = link.joined_cv.wait_until(lock, wait_end, [&] {
         if (closing.load()) return true;
         if (link.connecting) return false;
@@ -800,8 +823,10 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
       // Lost: its requests go first (on_closed queues them; the re-sender
       // reconnects). Then use whatever connection is open.
       waited_resends = true;
+      waited = true;
       const std::uint64_t lost_gen = link.gen;
       lock.unlock();
+      wait_note("its lost requests were re-sent");
       wait_announced(link, lost_gen, deadline);
       wait_for_resends(link, deadline);
       lock.lock();
@@ -815,6 +840,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
   const std::uint64_t new_gen = link.gen + 1;
   link.connecting = true;
   lock.unlock();
+  wait_note("this call reconnected");
   // A sender after a failed reconnect cycle tries once (the re-sender, and
   // the first connect, always make the whole cycle).
   const bool quick =
@@ -1418,11 +1444,27 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   ServerLink& link = *servers[o.server];
   // Re-sent requests of this server go first (rare: a connection was lost).
   if (!resending && link.resends_queued.load(std::memory_order_acquire) != 0) [[unlikely]] {
+    set_note(o.op.get(), fmt::format("waiting for server {} at {} while its lost requests were "
+                                     "re-sent",
+                                     link.index, link.address));
     wait_for_resends(link, o.op->deadline);
+    clear_note(o.op.get());
+    if (link.resends_queued.load(std::memory_order_acquire) != 0 &&
+        Clock::now() >= o.op->deadline) {
+      // Sent now, it would overtake them (and its caller has a kTimeout).
+      o.op->fail(Error(ErrorCode::kTimeout,
+                       fmt::format("worker {}: gave up waiting for server {} at {} while its lost "
+                                   "requests were re-sent: the request's [worker] request_timeout "
+                                   "({}) ran out",
+                                   config.worker.rank, link.index, link.address,
+                                   std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       config.worker.request_timeout))));
+      return;
+    }
   }
   std::uint64_t gen = o.join_gen;
   auto conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin,
-                         o.op->deadline);
+                         o.op->deadline, resending ? nullptr : o.op.get());
   if (!conn) {
     o.op->fail(conn.error());
     return;

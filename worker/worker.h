@@ -98,8 +98,9 @@
 // connection lost and nobody reconnecting makes the attempt itself: it
 // starts no attempt after its request_timeout, but one under way may last
 // up to connect_timeout, and the join that follows a successful connect up
-// to request_timeout. A pipeline()'s enqueue() never waits; its flush()
-// sends, so it may. Calls from different
+// to request_timeout. A pipeline()'s flush() sends, so it may wait the same
+// way, and so may an enqueue() that finds its channel's ring full (it then
+// sends what is queued). Calls from different
 // threads may overlap; per key and worker, issue pushes in step order (a
 // call returns after its request is handed to the channel, so a call made
 // after another returned is sent after it; two concurrent pushes of one key
@@ -135,8 +136,9 @@
 //
 // Thread-safety: all Worker and Pipeline methods may be called from any
 // thread, except create/destruction. Blocking: create() (connect, join);
-// Handle::wait; a call or flush() while its server's connection is being
-// re-established (bounded: see Asynchrony); allocate never blocks. The Worker must outlive its Handles'
+// Handle::wait; a call, flush() or an enqueue() into a full ring while its
+// server's connection is being re-established (bounded: see Asynchrony);
+// allocate never blocks. The Worker must outlive its Handles'
 // operations, its TensorBuffers and its Pipelines.
 #pragma once
 

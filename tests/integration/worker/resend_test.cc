@@ -353,15 +353,58 @@ TEST(WorkerResend, ACallWhileTheReSenderReconnectsReturnsWithinItsRequestTimeout
   EXPECT_LT(call, 5s) << "push() blocked for "
                       << std::chrono::duration_cast<std::chrono::milliseconds>(call).count()
                       << " ms (request_timeout 3 s)";
-  for (Handle* each : {&pending, &h}) {
-    auto r = each->wait();
-    ASSERT_FALSE(r);
-    EXPECT_EQ(r.error().code(), ErrorCode::kTimeout) << r.error().to_string();
-    EXPECT_THAT(r.error().message(), HasSubstr("request_timeout (3000ms)")) << r.error().to_string();
+  auto lost = pending.wait();
+  ASSERT_FALSE(lost);
+  EXPECT_EQ(lost.error().code(), ErrorCode::kTimeout) << lost.error().to_string();
+  EXPECT_THAT(lost.error().message(), HasSubstr("request_timeout (3000ms)"));
+  // The push waited for the re-sender until its own request_timeout (the
+  // error says what it waited for, whether the timer or the wait ended it);
+  // or, when the re-sender's cycle ended (at the pull's deadline, a little
+  // earlier) and the push's time was not yet up, it made one attempt of its
+  // own, which failed at once.
+  auto r = h.wait();
+  ASSERT_FALSE(r);
+  const std::string server = fmt::format("server 0 at {}", s.server->address());
+  if (r.error().code() == ErrorCode::kTimeout) {
+    EXPECT_THAT(r.error().message(), HasSubstr("request_timeout (3000ms)"));
+    EXPECT_THAT(r.error().message(), HasSubstr(server + " while ")) << r.error().to_string();
+  } else {
+    EXPECT_THAT(r.error().message(), HasSubstr("cannot connect to " + server + " (1 attempt"))
+        << r.error().to_string();
   }
   const auto t1 = std::chrono::steady_clock::now();
   s.worker.reset();
   EXPECT_LT(std::chrono::steady_clock::now() - t1, 5s);
+}
+
+TEST(WorkerResend, ACycleCutShortByTheDeadlineCountsAsFailedSoLaterCallsTryOnce) {
+  // request_timeout (2 s) ends the re-sender's cycle (50 retries, ~45 s)
+  // long before its last attempt: that counts as a failed cycle, so later
+  // calls make one attempt each and fail at once rather than each waiting
+  // out its request_timeout.
+  PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "1"}, {"worker.connect_retries", "50"}},
+                "2s");
+  ASSERT_TRUE(s.worker);
+  Handle pending = s.pull_step_1();
+  kill_nine(*s.server);
+  auto lost = pending.wait();
+  ASSERT_FALSE(lost);
+  EXPECT_EQ(lost.error().code(), ErrorCode::kTimeout) << lost.error().to_string();
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    const std::vector<float> g = gradient(0, 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = s.worker->push(kKey, g).wait();
+    const auto took = std::chrono::steady_clock::now() - t0;
+    ASSERT_FALSE(r);
+    EXPECT_THAT(r.error().message(),
+                HasSubstr(fmt::format("cannot connect to server 0 at {} (1 attempt: the last "
+                                      "reconnect already failed after",
+                                      s.server->address())))
+        << r.error().to_string();
+    EXPECT_LT(took, 1s) << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                        << " ms";
+  }
 }
 
 // A key of `spec`'s 2 servers that server `server` holds (its one chunk).
