@@ -299,18 +299,20 @@ TEST(PollBreak, RequestTimeoutWhileThreadsPollAndLateRepliesAreDropped) {
   std::vector<std::uint64_t> took_ms(kThreads);
   const auto t0 = Clock::now();
   on_all(kThreads, [&](std::uint32_t t) {
+    const auto issued = Clock::now();  // a thread may start late on a loaded machine
     Handle h = w0.pull(9, outs[t], 1);
     if (!poll_until_done(h, std::chrono::milliseconds(5), t0, 15000)) {
       results[t] = "still running after 15 s";
       return;
     }
     auto r = h.wait();
-    took_ms[t] = ms_since(t0);
+    took_ms[t] = ms_since(issued);
     results[t] = r ? "ok" : std::string(error_code_name(r.error().code()));
   });
   for (std::uint32_t t = 0; t < kThreads; ++t) {
     EXPECT_EQ(results[t], "timeout") << "thread " << t;
-    EXPECT_LT(took_ms[t], 3000u + 3000u) << "thread " << t;
+    // request_timeout (3 s) plus room for a descheduled poller.
+    EXPECT_LT(took_ms[t], 3000u + 5000u) << "thread " << t;
   }
   // The callers own their buffers again: fill them with a sentinel, then
   // let the parked pulls be answered (rank 1 pushes step 0).

@@ -532,6 +532,8 @@ TEST_P(ManyConnectionsTest, SixtyFourConnectionsAtOnceEachGetTheirEcho) {
   // heartbeat_timeout before its echo was sent.
   o.heartbeat_interval = 1s;
   o.heartbeat_timeout = 30s;
+  // Likewise a connect that waits behind 63 others' handshakes (default 10 s).
+  o.connect_timeout = 60s;
   const std::string addr = GetParam() == Kind::kShm ? shm_address("many") : "127.0.0.1:0";
   Server server(o, addr);
   server.inbox.check_pattern_bytes = false;

@@ -111,7 +111,8 @@ TEST(ShmWriteWindowRace, NoWriteLandsAfterCloseReturnsWhileWritersRace) {
           }
           const std::uint64_t before = slots[s].written.load();
           slots[s].id.store(*id);
-          const auto deadline = std::chrono::steady_clock::now() + 5s;
+          // "Stuck" only well past any scheduling delay (TSan, 2 loaded cores).
+          const auto deadline = std::chrono::steady_clock::now() + 20s;
           while (slots[s].written.load() == before) {
             if (std::chrono::steady_clock::now() > deadline) {
               stuck.fetch_add(1);
