@@ -477,7 +477,7 @@ struct Worker::Impl {
   // Refuses a server whose consistency, staleness, loss policy or
   // [optimizer] differs from another server's of this job (a tensor cut over
   // both would be updated two ways); records its settings otherwise.
-  Status check_same_settings(ServerLink& link, const proto::JoinReplyBody& body);
+  Status check_same_settings(ServerLink& link, const proto::JoinReplyBody& body, std::uint64_t gen);
   // The link's open connection, reconnecting (and joining) when it is
   // closed. `after_resends`: a sender other than the re-sender; when the
   // connection was lost, it first waits (bounded by request_timeout) for the
@@ -910,7 +910,7 @@ Status Worker::Impl::join(ServerLink& link, std::uint64_t gen) {
     e.with_context(fmt::format("joining server {} at {}", link.index, link.address));
     return tl::unexpected(e);
   }
-  EMBER_TRY(check_same_settings(link, body));
+  EMBER_TRY(check_same_settings(link, body, gen));
   const std::string_view server_consistency =
       proto::consistency_name(static_cast<proto::Consistency>(body.consistency));
   log->debug("joined server {} ({}, {} shard(s))", link.index, server_consistency, body.num_shards);
@@ -949,7 +949,8 @@ Status Worker::Impl::join(ServerLink& link, std::uint64_t gen) {
   return ok_status();
 }
 
-Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinReplyBody& body) {
+Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinReplyBody& body,
+                                         std::uint64_t gen) {
   auto consistency_text = [](const proto::JoinReplyBody& b) {
     const auto c = static_cast<proto::Consistency>(b.consistency);
     return fmt::format("consistency \"{}\"{}, on_worker_loss \"{}\"", proto::consistency_name(c),
@@ -1000,7 +1001,10 @@ Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinRepl
                       link.index, link.address, what, table);
   }
   link.settings = body;
-  link.settings_gen = connected_gen(link).value_or(0);
+  // The generation of the connection that said it (the join's), not the
+  // link's current one: a newer connection opened meanwhile has not joined
+  // yet, and its server may run other settings.
+  link.settings_gen = gen;
   return ok_status();
 }
 
