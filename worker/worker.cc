@@ -1446,37 +1446,47 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
 
 void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   ServerLink& link = *servers[o.server];
-  // Re-sent requests of this server go first (rare: a connection was lost).
-  if (!resending && link.resends_queued.load(std::memory_order_acquire) != 0) [[unlikely]] {
-    set_note(o.op.get(), fmt::format("waiting for server {} at {} while its lost requests were "
-                                     "re-sent",
-                                     link.index, link.address));
-    wait_for_resends(link, o.op->deadline);
-    clear_note(o.op.get());
-    if (link.resends_queued.load(std::memory_order_acquire) != 0 &&
-        Clock::now() >= o.op->deadline) {
-      // Sent now, it would overtake them (and its caller has a kTimeout).
-      o.op->fail(Error(ErrorCode::kTimeout,
-                       fmt::format("worker {}: gave up waiting for server {} at {} while its lost "
-                                   "requests were re-sent: the request's [worker] request_timeout "
-                                   "({}) ran out",
-                                   config.worker.rank, link.index, link.address,
-                                   std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       config.worker.request_timeout))));
+  std::uint64_t gen = 0;
+  Result<std::shared_ptr<transport::Connection>> conn;
+  for (;;) {
+    // Re-sent requests of this server go first (rare: a connection was lost).
+    if (!resending && link.resends_queued.load(std::memory_order_acquire) != 0) [[unlikely]] {
+      set_note(o.op.get(), fmt::format("waiting for server {} at {} while its lost requests were "
+                                       "re-sent",
+                                       link.index, link.address));
+      wait_for_resends(link, o.op->deadline);
+      clear_note(o.op.get());
+      if (link.resends_queued.load(std::memory_order_acquire) != 0 &&
+          Clock::now() >= o.op->deadline) {
+        // Sent now, it would overtake them (and its caller has a kTimeout).
+        o.op->fail(Error(ErrorCode::kTimeout,
+                         fmt::format("worker {}: gave up waiting for server {} at {} while its lost "
+                                     "requests were re-sent: the request's [worker] request_timeout "
+                                     "({}) ran out",
+                                     config.worker.rank, link.index, link.address,
+                                     std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         config.worker.request_timeout))));
+        return;
+      }
+    }
+    gen = o.join_gen;
+    conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin,
+                      o.op->deadline, resending ? nullptr : o.op.get());
+    if (!conn) {
+      o.op->fail(conn.error());
       return;
     }
+    // connection() may have waited (a reconnect, a join, re-sends) past the
+    // operation's request_timeout: the caller has its error, and a request it
+    // saw fail (a learning-rate change) must not take effect after all.
+    if (o.op->failed()) return;
+    // Re-sends queued since the check above go first too: this thread may
+    // have been descheduled between the check and connection() while the
+    // connection was lost and the re-sender reconnected and joined, so the
+    // connection it got is the one the re-sends are about to use. (A loss
+    // after this point is handled by the send's own failure, below.)
+    if (resending || link.resends_queued.load(std::memory_order_acquire) == 0) break;
   }
-  std::uint64_t gen = o.join_gen;
-  auto conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin,
-                         o.op->deadline, resending ? nullptr : o.op.get());
-  if (!conn) {
-    o.op->fail(conn.error());
-    return;
-  }
-  // connection() may have waited (a reconnect, a join, re-sends) past the
-  // operation's request_timeout: the caller has its error, and a request it
-  // saw fail (a learning-rate change) must not take effect after all.
-  if (o.op->failed()) return;
   if (kind == transport::Kind::kShm) {
     std::lock_guard lock(o.op->mutex);
     o.op->progress = *conn;  // wait() consumes replies from it (handle.h)
