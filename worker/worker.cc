@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <queue>
 #include <shared_mutex>
@@ -310,6 +311,9 @@ struct ServerLink {
   // re-sender gave up, each later call fails at once (or finds the server
   // back) rather than waiting out connect_retries again.
   std::atomic<std::uint32_t> failed_cycle_attempts{0};
+  // That cycle was cut short by a request's deadline (after at least half a
+  // request_timeout) rather than running all its attempts.
+  std::atomic<bool> failed_cycle_cut{false};
 };
 
 // "\"momentum\" with Nesterov", as the join's messages name an optimizer.
@@ -399,9 +403,11 @@ struct Worker::Impl {
   std::thread timer_thread;
 
   // What a request being re-sent is waiting for, appended to its timeout
-  // error so that it names the server, the attempts and the knob.
+  // error so that it names the server, the attempts and the knob. Per
+  // operation and server: the chunks of one operation on several servers
+  // (their re-senders, senders) set and clear their notes independently.
   std::mutex notes_mutex;
-  std::unordered_map<const Op*, std::string> resend_notes;
+  std::map<std::pair<const Op*, std::uint32_t>, std::string> resend_notes;
 
   ~Impl() { stop(); }
 
@@ -468,7 +474,9 @@ struct Worker::Impl {
   // connect_retries + 1 with back-off.
   // `deadline`: a request's (Op::deadline); no attempt starts after it (one
   // may end up to connect_timeout later), and the error is then kTimeout. A
-  // cycle so cut short counts as failed (failed_cycle_attempts).
+  // cycle so cut short counts as failed (failed_cycle_attempts) when it ran
+  // at least half a request_timeout: a caller that came to it with little
+  // time left says nothing of the server.
   Result<std::shared_ptr<transport::Connection>> connect(
       ServerLink& link, std::uint64_t gen, bool quick = false,
       Clock::time_point deadline = Clock::time_point::max());
@@ -501,8 +509,8 @@ struct Worker::Impl {
       ServerLink& link, std::uint64_t& gen, bool after_resends = false, bool for_join = false,
       Clock::time_point deadline = Clock::time_point::max(), const Op* waiter = nullptr);
   // Waits (bounded by request_timeout and `deadline`) until on_closed of
-  // generation `gen` has run.
-  void wait_announced(ServerLink& link, std::uint64_t gen,
+  // generation `gen` has run. False if it has not by then.
+  bool wait_announced(ServerLink& link, std::uint64_t gen,
                       Clock::time_point deadline = Clock::time_point::max());
 
   // ---- I/O callbacks ----
@@ -535,8 +543,8 @@ struct Worker::Impl {
   // Senders other than the re-sender wait here while re-sends are queued
   // (bounded by request_timeout and `deadline`).
   void wait_for_resends(ServerLink& link, Clock::time_point deadline = Clock::time_point::max());
-  void set_note(const Op* op, std::string note);
-  void clear_note(const Op* op);
+  void set_note(const Op* op, std::uint32_t server, std::string note);
+  void clear_note(const Op* op, std::uint32_t server);
 
   // ---- issue ----
   // `what` names the request in a timeout error ("push_pull of key 3 step
@@ -640,6 +648,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   std::uint32_t made = 0;  // attempts actually made
   bool hopeless = false;   // an error a retry cannot cure ended the loop early
   bool out_of_time = false;  // the request's deadline ended the loop early
+  const Clock::time_point started = Clock::now();
   for (std::uint32_t attempt = 1; attempt <= attempts; ++attempt) {
     if (closing.load()) {
       last = Error(ErrorCode::kClosed, "the worker is shutting down");
@@ -697,8 +706,13 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
                                   error_code_name(last.code())));
   } else if (out_of_time) {
     // Counts as a failed cycle (a cycle longer than request_timeout would
-    // otherwise never end as one): later requests try once each.
-    if (!closing.load()) link.failed_cycle_attempts.store(made, std::memory_order_relaxed);
+    // otherwise never end as one): later requests try once each. Not when
+    // the caller had little time left (a flush of a request queued long
+    // ago): one refused attempt then is no evidence the server is gone.
+    if (!closing.load() && Clock::now() - started >= config.worker.request_timeout / 2) {
+      link.failed_cycle_cut.store(true, std::memory_order_relaxed);
+      link.failed_cycle_attempts.store(made, std::memory_order_relaxed);
+    }
     last = Error(ErrorCode::kTimeout,
                  fmt::format("the request's [worker] request_timeout ({}) ran out after attempt "
                              "{} of {} ([worker] connect_retries); the last attempt: {}",
@@ -708,13 +722,18 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {}",
                                   config.worker.rank, link.index, link.address));
   } else if (quick) {
-    last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (1 attempt: the "
-                                  "last reconnect already failed after {} attempt(s) of [worker] "
-                                  "connect_retries; restart the server or check the address)",
-                                  config.worker.rank, link.index, link.address,
-                                  link.failed_cycle_attempts.load(std::memory_order_relaxed)));
+    const bool cut = link.failed_cycle_cut.load(std::memory_order_relaxed);
+    last.with_context(fmt::format(
+        "worker {}: cannot connect to server {} at {} (1 attempt: the last reconnect already "
+        "failed after {} attempt(s) {}; restart the server or check the address)",
+        config.worker.rank, link.index, link.address,
+        link.failed_cycle_attempts.load(std::memory_order_relaxed),
+        cut ? "when a request's [worker] request_timeout ran out" : "of [worker] connect_retries"));
   } else {
-    if (!closing.load()) link.failed_cycle_attempts.store(made, std::memory_order_relaxed);
+    if (!closing.load()) {
+      link.failed_cycle_cut.store(false, std::memory_order_relaxed);
+      link.failed_cycle_attempts.store(made, std::memory_order_relaxed);
+    }
     last.with_context(fmt::format("worker {}: cannot connect to server {} at {} (after {} of {} "
                                   "attempt(s); [worker] connect_retries, connect_timeout{})",
                                   config.worker.rank, link.index, link.address, made, attempts,
@@ -723,10 +742,11 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connect(ServerLink&
   return tl::unexpected(last);
 }
 
-void Worker::Impl::wait_announced(ServerLink& link, std::uint64_t gen, Clock::time_point deadline) {
+bool Worker::Impl::wait_announced(ServerLink& link, std::uint64_t gen, Clock::time_point deadline) {
   std::unique_lock lock(link.resend_mutex);
   link.resend_cv.wait_until(lock, std::min(deadline, Clock::now() + config.worker.request_timeout),
                             [&] { return closing.load() || link.announced_gen >= gen; });
+  return link.announced_gen >= gen;
 }
 
 Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLink& link,
@@ -763,18 +783,23 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
   struct Note {  // set on the slow paths only; cleared on return
     Impl* impl;
     const Op* op;
+    std::uint32_t server;
     bool set = false;
     ~Note() {
-      if (set) impl->clear_note(op);
+      if (set) impl->clear_note(op, server);
     }
-  } note{this, waiter};
+  } note{this, waiter, link.index};
   auto wait_note = [&](std::string_view while_what) {
     if (waiter == nullptr) return;
     note.set = true;
-    set_note(waiter, fmt::format("waiting for server {} at {} while {}", link.index, link.address,
-                                 while_what));
+    set_note(waiter, link.index,
+             fmt::format("waiting for server {} at {} while {}", link.index, link.address,
+                         while_what));
   };
-  bool waited_resends = false;
+  // The lost connection (generation) whose re-sends this sender waited
+  // for, and whose loss any thread here waited to see announced.
+  std::uint64_t waited_resends_gen = 0;
+  std::uint64_t waited_announce_gen = 0;
   bool waited = false;
   for (;;) {
     if (closing.load()) {
@@ -819,10 +844,12 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
       }
       continue;
     }
-    if (after_resends && link.conn && !waited_resends) {
+    if (after_resends && link.conn && waited_resends_gen != link.gen) {
       // Lost: its requests go first (on_closed queues them; the re-sender
-      // reconnects). Then use whatever connection is open.
-      waited_resends = true;
+      // reconnects). Then use whatever connection is open. Again if that
+      // one is lost too before this sender gets to it.
+      waited_resends_gen = link.gen;
+      waited_announce_gen = link.gen;
       waited = true;
       const std::uint64_t lost_gen = link.gen;
       lock.unlock();
@@ -831,6 +858,20 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
       wait_for_resends(link, deadline);
       lock.lock();
       if (bounded && Clock::now() >= deadline) return timed_out("its lost requests were re-sent");
+      continue;
+    }
+    if (link.conn && waited_announce_gen != link.gen) {
+      // Whoever reconnects (the re-sender too) first lets on_closed of the
+      // lost connection queue its re-sends: counted in resends_queued
+      // before the loss is announced, they make every other sender wait
+      // (send() checks again after connection()) instead of overtaking
+      // them on the new connection. Bounded; a loss never announced by
+      // then does not hold the reconnect up further.
+      waited_announce_gen = link.gen;
+      const std::uint64_t lost_gen = link.gen;
+      lock.unlock();
+      wait_announced(link, lost_gen, deadline);
+      lock.lock();
       continue;
     }
     break;
@@ -1059,7 +1100,10 @@ void Worker::Impl::timer_loop() {
       std::string note;
       {
         std::lock_guard notes(notes_mutex);
-        if (auto it = resend_notes.find(op.get()); it != resend_notes.end()) note = "; " + it->second;
+        for (auto it = resend_notes.lower_bound({op.get(), 0});
+             it != resend_notes.end() && it->first.first == op.get(); ++it) {
+          note += "; " + it->second;
+        }
       }
       const std::string what = op->what();
       op->fail(Error(ErrorCode::kTimeout,
@@ -1175,14 +1219,14 @@ Error Worker::Impl::lost_error(const ServerLink& link, const Error& reason, std:
                            why_not));
 }
 
-void Worker::Impl::set_note(const Op* op, std::string note) {
+void Worker::Impl::set_note(const Op* op, std::uint32_t server, std::string note) {
   std::lock_guard lock(notes_mutex);
-  resend_notes[op] = std::move(note);
+  resend_notes[{op, server}] = std::move(note);
 }
 
-void Worker::Impl::clear_note(const Op* op) {
+void Worker::Impl::clear_note(const Op* op, std::uint32_t server) {
   std::lock_guard lock(notes_mutex);
-  resend_notes.erase(op);
+  resend_notes.erase({op, server});
 }
 
 void Worker::Impl::queue_resend(ServerLink& link, ResendJob&& job) {
@@ -1241,10 +1285,11 @@ void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
   struct ClearNotes {
     Impl* impl;
     const std::vector<const Op*>& ops;
+    std::uint32_t server;
     ~ClearNotes() {
-      for (const Op* op : ops) impl->clear_note(op);
+      for (const Op* op : ops) impl->clear_note(op, server);
     }
-  } clear_notes{this, noted};
+  } clear_notes{this, noted, link.index};
   const std::string lost = fmt::format("connection to server {} ({}) lost before the reply: {}",
                                        link.index, link.address, job.reason.to_string());
   Error last = job.reason;
@@ -1283,7 +1328,7 @@ void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
         continue;
       }
       ++r.resends;
-      set_note(r.op.get(),
+      set_note(r.op.get(), link.index,
                fmt::format("{}; re-sending, attempt {} of [worker] resend_attempts = {}; the last "
                            "error: {}",
                            lost, r.resends, max_resends, last.to_string()));
@@ -1451,11 +1496,11 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   for (;;) {
     // Re-sent requests of this server go first (rare: a connection was lost).
     if (!resending && link.resends_queued.load(std::memory_order_acquire) != 0) [[unlikely]] {
-      set_note(o.op.get(), fmt::format("waiting for server {} at {} while its lost requests were "
-                                       "re-sent",
-                                       link.index, link.address));
+      set_note(o.op.get(), link.index,
+               fmt::format("waiting for server {} at {} while its lost requests were re-sent",
+                           link.index, link.address));
       wait_for_resends(link, o.op->deadline);
-      clear_note(o.op.get());
+      clear_note(o.op.get(), link.index);
       if (link.resends_queued.load(std::memory_order_acquire) != 0 &&
           Clock::now() >= o.op->deadline) {
         // Sent now, it would overtake them (and its caller has a kTimeout).
@@ -1542,11 +1587,26 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
       // The connection closed under this send: re-send it like the requests
       // on_closed finds, unless on_closed took it already (then it did). Once
       // on_closed has run, its job (earlier requests) is queued before this one.
-      wait_announced(link, gen, o.op->deadline);
+      const bool announced = wait_announced(link, gen, o.op->deadline);
       auto req = pending.take(id);
       if (!req) return;
       req->window = WindowLease();  // closed with its connection (as in on_closed)
       if (lost_completion) o.op->complete_part(std::nullopt);
+      if (!announced && !closing.load()) {
+        // The request's time ran out first: queued now, it would go ahead
+        // of the earlier requests on_closed is still to queue.
+        o.op->fail(Error(ErrorCode::kTimeout,
+                         fmt::format("worker {}: the connection to server {} at {} closed while "
+                                     "{} was sent, and the request's [worker] request_timeout "
+                                     "({}) ran out before its lost requests were queued for a "
+                                     "re-send: {}",
+                                     config.worker.rank, link.index, link.address,
+                                     proto::msg_type_name(o.header.type),
+                                     std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         config.worker.request_timeout),
+                                     e.to_string())));
+        return;
+      }
       if (req->type != proto::MsgType::kJoin && req->resends < config.worker.resend_attempts) {
         ResendJob job;
         job.gen = gen;

@@ -82,19 +82,23 @@
 // those requests fail with kClosed ("connection to server <i> (<addr>) lost
 // before the reply: ..."). Re-sending reads the caller's gradient again, so
 // buffers must stay valid until the operation is done (handle.h). Once a
-// whole round of reconnect attempts to a server has failed, a new request
-// to it makes a single attempt (kIo/kTimeout "cannot connect ... 1 attempt")
-// until a connect succeeds again: after the re-sender gave up, later calls
-// fail at once instead of each waiting out connect_retries.
+// whole round of reconnect attempts to a server has failed (all of
+// connect_retries, or half a request_timeout or more of them cut short when
+// a request's request_timeout ran out), a new request to it makes a single
+// attempt (kIo/kTimeout "cannot connect ... 1 attempt") until a connect
+// succeeds again: after the re-sender gave up, later calls fail at once
+// instead of each waiting out connect_retries.
 //
 // Asynchrony. Every call returns a Handle (handle.h); wait() or
 // async_wait() gives the Result. Errors found before sending (unknown key,
 // wrong sizes) come back as an already failed Handle. A call returns once
-// its request is handed to the transport, at once while its server's
-// connection is up. When the connection is being re-established (by the
-// re-sender or another call), or re-sends are queued, the call waits for
-// that, never past its request_timeout: its Handle then fails with kTimeout
-// naming the server and what it waited for. A call that finds the
+// its request is handed to the transport: at once while its server's
+// connection is up and its channel has room (a full send queue,
+// [communication] max_queued_bytes, or a full shm ring makes the call wait
+// for the server to drain it, up to 30 s, then kTimeout). When the connection is
+// being re-established (by the re-sender or another call), or re-sends are
+// queued, the call waits for that, never past its request_timeout: its
+// Handle then fails with kTimeout naming the server and what it waited for. A call that finds the
 // connection lost and nobody reconnecting makes the attempt itself: it
 // starts no attempt after its request_timeout, but one under way may last
 // up to connect_timeout, and the join that follows a successful connect up

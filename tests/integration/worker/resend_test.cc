@@ -402,11 +402,49 @@ TEST(WorkerResend, ACycleCutShortByTheDeadlineCountsAsFailedSoLaterCallsTryOnce)
                                       "reconnect already failed after",
                                       s.server->address())))
         << r.error().to_string();
+    EXPECT_THAT(r.error().message(), HasSubstr("attempt(s) when a request's [worker] "
+                                               "request_timeout ran out; restart the server"))
+        << r.error().to_string();
     // Half the request_timeout: one refused connect, not a wait for the
     // deadline (loose: a loaded 2-core CI machine).
     EXPECT_LT(took, 3s) << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
                         << " ms";
   }
+}
+
+TEST(WorkerResend, AConnectWithLittleTimeLeftDoesNotMarkTheServerAsGone) {
+  // A pipelined push enqueued most of a request_timeout ago is flushed after
+  // its server was killed: its connect has time for a few refused attempts
+  // only. That says nothing of the server, so a later call still makes a
+  // whole reconnect cycle (not the single attempt that follows a failed
+  // cycle) and finds the server once it is back.
+  PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "1"}, {"worker.connect_retries", "20"}},
+                "3s");
+  ASSERT_TRUE(s.worker);
+  const std::string address = s.server->address();
+  kill_nine(*s.server);
+  const std::vector<float> g = gradient(0, 1);
+  Handle late;
+  {
+    auto p = s.worker->pipeline();
+    late = p.enqueue(kKey, g);
+    std::this_thread::sleep_for(2700ms);  // 300 ms of its request_timeout left
+    (void)p.flush();
+  }
+  auto lr = late.wait();
+  ASSERT_FALSE(lr);
+  EXPECT_EQ(lr.error().code(), ErrorCode::kTimeout) << lr.error().to_string();
+
+  std::unique_ptr<Process> again;
+  std::thread restart([&] {
+    std::this_thread::sleep_for(400ms);
+    again = restart_server(s.dir, address, "server0-restarted.log");
+  });
+  const Key fresh = kKey + 1;  // the restarted server has no keys
+  auto r = s.worker->init(fresh, kShape, initial()).wait();
+  restart.join();
+  ASSERT_TRUE(again && again->running());
+  EXPECT_TRUE(r) << r.error().to_string();
 }
 
 // A key of `spec`'s 2 servers that server `server` holds (its one chunk).
