@@ -418,8 +418,9 @@ TEST(WorkerResend, AConnectWithLittleTimeLeftDoesNotMarkTheServerAsGone) {
   // only. That says nothing of the server, so a later call still makes a
   // whole reconnect cycle (not the single attempt that follows a failed
   // cycle) and finds the server once it is back.
+  // request_timeout 6 s: the restarted server below has over 5 s to start.
   PendingPull s(PendingPull::Settings{{"worker.resend_attempts", "1"}, {"worker.connect_retries", "20"}},
-                "3s");
+                "6s");
   ASSERT_TRUE(s.worker);
   const std::string address = s.server->address();
   kill_nine(*s.server);
@@ -428,7 +429,7 @@ TEST(WorkerResend, AConnectWithLittleTimeLeftDoesNotMarkTheServerAsGone) {
   {
     auto p = s.worker->pipeline();
     late = p.enqueue(kKey, g);
-    std::this_thread::sleep_for(2700ms);  // 300 ms of its request_timeout left
+    std::this_thread::sleep_for(5700ms);  // 300 ms of its request_timeout left
     (void)p.flush();
   }
   auto lr = late.wait();
