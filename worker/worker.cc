@@ -232,9 +232,15 @@ struct Outgoing {
   std::shared_ptr<Op> op;
   PendingReq pending;  // what to register under header.request_id
   std::uint64_t join_gen = 0;  // kJoin: the connection generation it goes out on
+  // A re-send: the connection generation its burst goes out on (run_resend),
+  // and only that one. Lost meanwhile, the request goes back to the
+  // re-sender's queue, to be merged in issue order with the requests that
+  // connection's loss queues (resend_loop).
+  std::uint64_t resend_gen = 0;
 };
 
 // Requests of one lost connection, handed to the link's re-sender thread.
+// The re-sender merges every job queued when it takes one (resend_loop).
 struct ResendJob {
   std::uint64_t gen = 0;  // the connection generation that was lost
   Error reason;           // why it closed
@@ -1267,6 +1273,23 @@ void Worker::Impl::resend_loop(ServerLink& link) {
       if (link.resend_jobs.empty()) return;  // closing, nothing left
       job = std::move(link.resend_jobs.front());
       link.resend_jobs.pop_front();
+      // Every job queued meanwhile joins this one, in issue order: requests
+      // of a burst that its connection lost under it (handed back by send())
+      // go after the older ones that loss's on_closed queued, whichever
+      // queue_resend came first. The first job's loss is the one reported.
+      bool merged = false;
+      while (!link.resend_jobs.empty()) {
+        for (auto& r : link.resend_jobs.front().requests) job.requests.push_back(std::move(r));
+        link.resend_jobs.pop_front();
+        link.resends_queued.fetch_sub(1, std::memory_order_release);  // this job's count stays
+        merged = true;
+      }
+      if (merged) {
+        std::sort(job.requests.begin(), job.requests.end(),
+                  [](const PendingReq& a, const PendingReq& b) {
+                    return a.header.request_id < b.header.request_id;
+                  });
+      }
     }
     run_resend(link, std::move(job));
     {
@@ -1371,6 +1394,7 @@ void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
       o.data = r.data;
       o.op = r.op;
       o.pending = std::move(r);
+      o.resend_gen = gen;
       // This send's completion (the previous one was counted when it ran).
       if (is_large(o.data.size(), o.header)) o.op->add_parts(1);
       send(std::move(o), true, true);
@@ -1513,6 +1537,35 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
                                          config.worker.request_timeout))));
         return;
       }
+    }
+    if (o.resend_gen != 0) {
+      // A re-send goes out on its burst's connection or not at all: on a
+      // newer one it would overtake the requests the burst already re-sent
+      // on the lost one (older), which that loss's on_closed queues.
+      gen = o.resend_gen;
+      std::shared_ptr<transport::Connection> burst;
+      {
+        std::lock_guard g(link.mutex);
+        if (link.gen == gen && link.conn && !link.conn->is_closed()) burst = link.conn;
+      }
+      if (burst) {
+        if (o.op->failed()) return;  // timed out meanwhile (as below)
+        conn = std::move(burst);
+        break;
+      }
+      if (is_large(o.data.size(), o.header)) o.op->complete_part(std::nullopt);  // no completion
+      wait_announced(link, gen, o.op->deadline);  // its on_closed's job first
+      if (o.op->failed()) return;
+      ResendJob job;
+      job.gen = gen;
+      job.reason = Error(ErrorCode::kClosed,
+                         fmt::format("the connection to server {} at {} closed while lost requests "
+                                     "were re-sent on it",
+                                     link.index, link.address));
+      o.pending.window = WindowLease();
+      job.requests.push_back(std::move(o.pending));
+      queue_resend(link, std::move(job));
+      return;
     }
     gen = o.join_gen;
     conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin,
