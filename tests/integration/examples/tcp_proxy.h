@@ -7,8 +7,11 @@
 //                   proxy's socket buffers; the client's bytes still go up.
 //                   A client behind it waits for replies the server already
 //                   sent, as behind a stalled network path.
+//   hold_requests() the same the other way: the client's bytes (requests)
+//                   stay in the proxy's socket buffers and never reach the
+//                   upstream; its replies still come down.
 //   drop_all()      closes every forwarded connection, both sides, and throws
-//                   away what was held (lost in the network); lifts the hold.
+//                   away what was held (lost in the network); lifts the holds.
 //                   New connections are forwarded again; when the upstream
 //                   refuses one (the server is down), the client's is closed.
 //
@@ -62,10 +65,11 @@ class TcpProxy {
 
   int port() const { return port_; }
   void hold_replies() { command(Command::kHold); }
+  void hold_requests() { command(Command::kHoldRequests); }
   void drop_all() { command(Command::kDrop); }
 
  private:
-  enum class Command { kNone, kHold, kDrop, kStop };
+  enum class Command { kNone, kHold, kHoldRequests, kDrop, kStop };
   struct Pair {
     int client = -1;
     int upstream = -1;
@@ -122,10 +126,11 @@ class TcpProxy {
 
   void run() {
     bool hold = false;
+    bool hold_requests = false;
     for (;;) {
       std::vector<pollfd> fds{{wake_, POLLIN, 0}, {listen_, POLLIN, 0}};
       for (const Pair& p : pairs_) {
-        fds.push_back({p.client, POLLIN, 0});
+        fds.push_back({hold_requests ? -1 : p.client, POLLIN, 0});
         fds.push_back({hold ? -1 : p.upstream, POLLIN, 0});  // -1: ignored while held
       }
       if (::poll(fds.data(), fds.size(), -1) < 0) continue;
@@ -135,10 +140,12 @@ class TcpProxy {
         std::lock_guard lock(mutex_);
         const Command c = pending_;
         if (c == Command::kHold) hold = true;
+        if (c == Command::kHoldRequests) hold_requests = true;
         if (c == Command::kDrop || c == Command::kStop) {
           for (Pair& p : pairs_) close_pair(p);
           pairs_.clear();
           hold = false;
+          hold_requests = false;
         }
         pending_ = Command::kNone;
         applied_.notify_all();

@@ -35,6 +35,7 @@
 
 #include "common/base/logging.h"
 #include "common/placement/placement.h"
+#include "tests/integration/examples/tcp_proxy.h"
 #include "tests/integration/server/harness.h"
 #include "tests/integration/server/log_watch.h"
 #include "worker/worker.h"
@@ -446,6 +447,51 @@ TEST(WorkerResend, AConnectWithLittleTimeLeftDoesNotMarkTheServerAsGone) {
   restart.join();
   ASSERT_TRUE(again && again->running());
   EXPECT_TRUE(r) << r.error().to_string();
+}
+
+TEST(WorkerResend, AConnectionLostDuringAReSendBurstKeepsThePushesInStepOrder) {
+  // 20000 pushes of one key (steps 0..19999) are lost with their connection
+  // before the server saw any (a proxy held them). The re-sender reconnects
+  // and re-sends them in one burst; the proxy drops that connection too,
+  // as soon as the burst starts. What the burst had sent on it goes to the
+  // next re-send job (on_closed); the rest of the burst must not go out on
+  // the next connection ahead of those: the server (bsp, 1 worker) refuses
+  // a push whose step does not follow the last with kOutOfStep. In the end
+  // every push is applied once, in order.
+  WorkerLogWatch log_watch;  // before the Worker: see log_watch.h
+  TempDir dir;
+  ClusterSpec spec;
+  spec.request_timeout = "120s";
+  spec.learning_rate = 1.0;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  const std::string& real = server.address();
+  ember::testing::TcpProxy proxy(std::stoi(real.substr(real.rfind(':') + 1)));
+  auto w = make_worker(spec, fmt::format("127.0.0.1:{}", proxy.port()), 0,
+                       {{"worker.resend_attempts", "10"}, {"worker.connect_retries", "20"}});
+  ASSERT_TRUE(w);
+  const std::uint64_t shape[] = {4};
+  ASSERT_TRUE(w->init(kKey, shape, std::vector<float>(4, 0.0f)).wait());
+  constexpr std::uint64_t kSteps = 20000;
+  const std::vector<float> g(4, 1.0f);
+
+  proxy.hold_requests();
+  std::vector<Handle> pushes;
+  pushes.reserve(kSteps);
+  for (std::uint64_t s = 0; s < kSteps; ++s) pushes.push_back(w->push(kKey, g, s));
+  std::this_thread::sleep_for(300ms);  // all of them on their way
+  proxy.drop_all();
+  ASSERT_TRUE(log_watch.watch->wait_for(fmt::format("re-sending {} request(s)", kSteps), 60s));
+  proxy.drop_all();  // during the burst
+
+  for (std::uint64_t s = 0; s < kSteps; ++s) {
+    auto r = pushes[s].wait();
+    ASSERT_TRUE(r) << "push of step " << s << ": " << r.error().to_string();
+  }
+  std::vector<float> out(4, -1.0f);
+  auto pulled = w->pull(kKey, out, kSteps).wait();
+  ASSERT_TRUE(pulled) << pulled.error().to_string();
+  EXPECT_EQ(out, std::vector<float>(4, -static_cast<float>(kSteps)));  // each push applied once
 }
 
 // A key of `spec`'s 2 servers that server `server` holds (its one chunk).
