@@ -1517,7 +1517,34 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
   ServerLink& link = *servers[o.server];
   std::uint64_t gen = 0;
   Result<std::shared_ptr<transport::Connection>> conn;
-  for (;;) {
+  if (o.resend_gen != 0) {
+    // A re-send goes out on its burst's connection or not at all: on a newer
+    // one it would overtake the requests the burst already re-sent on the
+    // lost one (older), which that loss's on_closed queues.
+    gen = o.resend_gen;
+    {
+      std::lock_guard g(link.mutex);
+      if (link.gen == gen && link.conn && !link.conn->is_closed()) conn = link.conn;
+    }
+    if (!*conn) {
+      // Back to the re-sender's queue, after on_closed's job (resend_loop
+      // merges them in issue order). Its window went with the connection.
+      if (is_large(o.data.size(), o.header)) o.op->complete_part(std::nullopt);  // no completion
+      wait_announced(link, gen, o.op->deadline);
+      if (o.op->failed()) return;
+      ResendJob job;
+      job.gen = gen;
+      job.reason = Error(ErrorCode::kClosed,
+                         fmt::format("the connection to server {} at {} closed while lost requests "
+                                     "were re-sent on it",
+                                     link.index, link.address));
+      job.requests.push_back(std::move(o.pending));
+      queue_resend(link, std::move(job));
+      return;
+    }
+    if (o.op->failed()) return;  // timed out meanwhile (as below)
+  }
+  while (!*conn) {
     // Re-sent requests of this server go first (rare: a connection was lost).
     if (!resending && link.resends_queued.load(std::memory_order_acquire) != 0) [[unlikely]] {
       set_note(o.op.get(), link.index,
@@ -1538,35 +1565,6 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
         return;
       }
     }
-    if (o.resend_gen != 0) {
-      // A re-send goes out on its burst's connection or not at all: on a
-      // newer one it would overtake the requests the burst already re-sent
-      // on the lost one (older), which that loss's on_closed queues.
-      gen = o.resend_gen;
-      std::shared_ptr<transport::Connection> burst;
-      {
-        std::lock_guard g(link.mutex);
-        if (link.gen == gen && link.conn && !link.conn->is_closed()) burst = link.conn;
-      }
-      if (burst) {
-        if (o.op->failed()) return;  // timed out meanwhile (as below)
-        conn = std::move(burst);
-        break;
-      }
-      if (is_large(o.data.size(), o.header)) o.op->complete_part(std::nullopt);  // no completion
-      wait_announced(link, gen, o.op->deadline);  // its on_closed's job first
-      if (o.op->failed()) return;
-      ResendJob job;
-      job.gen = gen;
-      job.reason = Error(ErrorCode::kClosed,
-                         fmt::format("the connection to server {} at {} closed while lost requests "
-                                     "were re-sent on it",
-                                     link.index, link.address));
-      o.pending.window = WindowLease();
-      job.requests.push_back(std::move(o.pending));
-      queue_resend(link, std::move(job));
-      return;
-    }
     gen = o.join_gen;
     conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin,
                       o.op->deadline, resending ? nullptr : o.op.get());
@@ -1584,6 +1582,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
     // connection it got is the one the re-sends are about to use. (A loss
     // after this point is handled by the send's own failure, below.)
     if (resending || link.resends_queued.load(std::memory_order_acquire) == 0) break;
+    conn = std::shared_ptr<transport::Connection>();  // asked again after them
   }
   if (kind == transport::Kind::kShm) {
     std::lock_guard lock(o.op->mutex);

@@ -95,10 +95,11 @@
 // its request is handed to the transport: at once while its server's
 // connection is up and its channel has room (a full send queue,
 // [communication] max_queued_bytes, or a full shm ring makes the call wait
-// for the server to drain it, up to 30 s, then kTimeout). When the connection is
-// being re-established (by the re-sender or another call), or re-sends are
-// queued, the call waits for that, never past its request_timeout: its
-// Handle then fails with kTimeout naming the server and what it waited for. A call that finds the
+// for the server to drain it, up to 30 s, then kTimeout). When the
+// connection is being re-established (by the re-sender or another call), or
+// re-sends are queued, the call waits for that, never past its
+// request_timeout: its Handle then fails with kTimeout naming the server and
+// what it waited for. A call that finds the
 // connection lost and nobody reconnecting makes the attempt itself: it
 // starts no attempt after its request_timeout, but one under way may last
 // up to connect_timeout, and the join that follows a successful connect up
