@@ -24,6 +24,7 @@
 #include <fmt/ranges.h>
 
 #include "common/base/logging.h"
+#include "common/base/sync_point.h"
 #include "common/base/units.h"
 #include "common/memory/page_pool.h"
 #include "common/placement/placement.h"
@@ -1255,6 +1256,8 @@ void Worker::Impl::queue_resend(ServerLink& link, ResendJob&& job) {
 }
 
 void Worker::Impl::wait_for_resends(ServerLink& link, Clock::time_point deadline) {
+  // Sync point: a sender that found re-sends queued, before it waits for them.
+  EMBER_SYNC_POINT("Worker::wait_for_resends");
   std::unique_lock lock(link.resend_mutex);
   // Bounded: a sender never waits longer than its own request could.
   link.resend_cv.wait_until(
@@ -1385,6 +1388,9 @@ void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
     if (reqs.empty()) return;
     log->info("reconnected to server {} ({}); re-sending {} request(s)", link.index, link.address,
               reqs.size());
+    // Sync point: the re-sender thread, reconnected and joined, before the
+    // burst of re-sends goes out on connection `gen`.
+    EMBER_SYNC_POINT("Worker::run_resend:before_burst");
     for (auto& r : reqs) {
       Outgoing o;
       o.server = link.index;
@@ -1565,6 +1571,9 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
         return;
       }
     }
+    // Sync point: any thread sending a request (the caller's, a flusher),
+    // after its check for queued re-sends, before it asks for the connection.
+    EMBER_SYNC_POINT("Worker::send:before_connection");
     gen = o.join_gen;
     conn = connection(link, gen, !resending, o.header.type == proto::MsgType::kJoin,
                       o.op->deadline, resending ? nullptr : o.op.get());

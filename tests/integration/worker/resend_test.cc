@@ -14,7 +14,10 @@
 //  * while the re-sender reconnects (a long connect cycle), a new call
 //    returns its Handle within its request_timeout, and a rejoin of another
 //    server (which compares settings with every server) does not wait for
-//    that cycle.
+//    that cycle;
+//  * a sender stalled (sync point) between its check for queued re-sends
+//    and asking for its connection, while the connection is lost and the
+//    re-sender reconnects: its request still goes after the re-sends.
 // Nothing sleeps to wait: processes are awaited through their stdout and
 // pidfd with deadlines, operations through their Handles.
 #include <signal.h>
@@ -24,6 +27,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <filesystem>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -34,6 +38,7 @@
 #include <gtest/gtest.h>
 
 #include "common/base/logging.h"
+#include "common/base/sync_point.h"
 #include "common/placement/placement.h"
 #include "tests/integration/examples/tcp_proxy.h"
 #include "tests/integration/server/harness.h"
@@ -492,6 +497,86 @@ TEST(WorkerResend, AConnectionLostDuringAReSendBurstKeepsThePushesInStepOrder) {
   auto pulled = w->pull(kKey, out, kSteps).wait();
   ASSERT_TRUE(pulled) << pulled.error().to_string();
   EXPECT_EQ(out, std::vector<float>(4, -static_cast<float>(kSteps)));  // each push applied once
+}
+
+// Set by the thread whose passes of sync points a test acts on (the points
+// are passed by every thread of the worker).
+thread_local bool t_marked_thread = false;
+
+TEST(WorkerResend, ASenderStalledAcrossAReconnectStillGoesAfterTheReSends) {
+  if (!sync_point::kCompiled) {
+    GTEST_SKIP() << "needs sync points (EMBER_SYNC_POINTS: the dev, asan and tsan presets)";
+  }
+  // Push A (step 0) is lost with its connection before the server saw it (a
+  // proxy held it). Push B (step 1), from another thread, found no re-sends
+  // queued just before the loss and stalls there, before it asks for its
+  // connection, until the re-sender has reconnected and joined. The
+  // connection B then gets is open and joined, but A's re-send has not gone
+  // out on it yet: B must wait for it. Sent first, B is refused by the
+  // server (bsp, 1 worker: a step must follow the last) with kOutOfStep.
+  sync_point::ScopedClear clear_points;  // last: after the worker is gone
+  WorkerLogWatch log_watch;
+  TempDir dir;
+  ClusterSpec spec;
+  spec.request_timeout = "60s";
+  spec.learning_rate = 1.0;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  const std::string& real = server.address();
+  ember::testing::TcpProxy proxy(std::stoi(real.substr(real.rfind(':') + 1)));
+
+  std::promise<void> b_stalled, b_go;
+  std::shared_future<void> b_go_now = b_go.get_future().share();
+  std::promise<void> b_waits;
+  std::atomic<bool> b_waited{false}, burst_seen{false};
+  std::atomic<bool> b_stalled_once{false};
+  sync_point::set("Worker::send:before_connection", [&] {
+    if (!t_marked_thread || b_stalled_once.exchange(true)) return;
+    b_stalled.set_value();
+    b_go_now.wait();
+  });
+  sync_point::set("Worker::wait_for_resends", [&] {
+    if (!t_marked_thread || b_waited.exchange(true)) return;
+    b_waits.set_value();
+  });
+  std::shared_future<void> b_waiting = b_waits.get_future().share();
+  sync_point::set("Worker::run_resend:before_burst", [&] {
+    if (burst_seen.exchange(true)) return;
+    b_go.set_value();  // B asks for its connection now: this one
+    // B finds the re-sends queued and waits for them. Bounded, so that a B
+    // that does not wait (and is refused) cannot hang the test.
+    (void)b_waiting.wait_for(10s);
+  });
+
+  auto w = make_worker(spec, fmt::format("127.0.0.1:{}", proxy.port()), 0,
+                       {{"worker.resend_attempts", "3"}, {"worker.connect_retries", "20"}});
+  ASSERT_TRUE(w);
+  const std::uint64_t shape[] = {4};
+  ASSERT_TRUE(w->init(kKey, shape, std::vector<float>(4, 0.0f)).wait());
+  const std::vector<float> g(4, 1.0f);
+
+  proxy.hold_requests();
+  Handle a = w->push(kKey, g, 0);
+  std::optional<Result<std::uint64_t>> b_result;
+  std::thread b([&] {
+    t_marked_thread = true;
+    b_result = w->push(kKey, g, 1).wait();
+  });
+  ASSERT_EQ(b_stalled.get_future().wait_for(60s), std::future_status::ready);
+  proxy.drop_all();  // A is lost with its connection
+
+  auto ra = a.wait();
+  b.join();
+  ASSERT_TRUE(ra) << "push of step 0: " << ra.error().to_string();
+  ASSERT_TRUE(b_result.has_value());
+  ASSERT_TRUE(*b_result) << "push of step 1: " << b_result->error().to_string();
+  EXPECT_TRUE(burst_seen.load());  // A was re-sent
+  std::vector<float> out(4, -1.0f);
+  auto pulled = w->pull(kKey, out, 2).wait();
+  ASSERT_TRUE(pulled) << pulled.error().to_string();
+  EXPECT_EQ(out, std::vector<float>(4, -2.0f));  // each push applied once
+  w.reset();
+  sync_point::clear_all();
 }
 
 // A key of `spec`'s 2 servers that server `server` holds (its one chunk).
