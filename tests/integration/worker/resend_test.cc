@@ -91,6 +91,27 @@ std::unique_ptr<Worker> make_worker(const ClusterSpec& spec, const std::string& 
   return w ? std::move(*w) : nullptr;
 }
 
+// A loopback proxy in front of `server`, for a worker to connect through
+// (fault injection: hold, drop).
+std::unique_ptr<ember::testing::TcpProxy> proxy_to(const ServerProcess& server) {
+  const std::string& real = server.address();
+  return std::make_unique<ember::testing::TcpProxy>(std::stoi(real.substr(real.rfind(':') + 1)));
+}
+
+// A worker of `spec` (1 worker) connected through `proxy`, with `key`
+// registered as 4 zeros.
+std::unique_ptr<Worker> proxied_worker(const ClusterSpec& spec, const ember::testing::TcpProxy& proxy,
+                                       std::uint32_t resend_attempts, Key key) {
+  auto w = make_worker(spec, fmt::format("127.0.0.1:{}", proxy.port()), 0,
+                       {{"worker.resend_attempts", std::to_string(resend_attempts)},
+                        {"worker.connect_retries", "20"}});
+  if (!w) return nullptr;
+  const std::uint64_t shape[] = {4};
+  auto r = w->init(key, shape, std::vector<float>(4, 0.0f)).wait();
+  EXPECT_TRUE(r) << r.error().to_string();
+  return r ? std::move(w) : nullptr;
+}
+
 // init on both workers (rank 0 gives the values).
 void init_both(Worker& w0, Worker& w1) {
   auto i1 = w1.init(kKey, kShape, {});
@@ -470,24 +491,20 @@ TEST(WorkerResend, AConnectionLostDuringAReSendBurstKeepsThePushesInStepOrder) {
   spec.learning_rate = 1.0;
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
-  const std::string& real = server.address();
-  ember::testing::TcpProxy proxy(std::stoi(real.substr(real.rfind(':') + 1)));
-  auto w = make_worker(spec, fmt::format("127.0.0.1:{}", proxy.port()), 0,
-                       {{"worker.resend_attempts", "10"}, {"worker.connect_retries", "20"}});
+  auto proxy = proxy_to(server);
+  auto w = proxied_worker(spec, *proxy, 10, kKey);
   ASSERT_TRUE(w);
-  const std::uint64_t shape[] = {4};
-  ASSERT_TRUE(w->init(kKey, shape, std::vector<float>(4, 0.0f)).wait());
   constexpr std::uint64_t kSteps = 20000;
   const std::vector<float> g(4, 1.0f);
 
-  proxy.hold_requests();
+  proxy->hold_requests();
   std::vector<Handle> pushes;
   pushes.reserve(kSteps);
   for (std::uint64_t s = 0; s < kSteps; ++s) pushes.push_back(w->push(kKey, g, s));
   std::this_thread::sleep_for(300ms);  // all of them on their way
-  proxy.drop_all();
+  proxy->drop_all();
   ASSERT_TRUE(log_watch.watch->wait_for(fmt::format("re-sending {} request(s)", kSteps), 60s));
-  proxy.drop_all();  // during the burst
+  proxy->drop_all();  // during the burst
 
   for (std::uint64_t s = 0; s < kSteps; ++s) {
     auto r = pushes[s].wait();
@@ -515,15 +532,13 @@ TEST(WorkerResend, ASenderStalledAcrossAReconnectStillGoesAfterTheReSends) {
   // out on it yet: B must wait for it. Sent first, B is refused by the
   // server (bsp, 1 worker: a step must follow the last) with kOutOfStep.
   sync_point::ScopedClear clear_points;  // last: after the worker is gone
-  WorkerLogWatch log_watch;
   TempDir dir;
   ClusterSpec spec;
   spec.request_timeout = "60s";
   spec.learning_rate = 1.0;
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
-  const std::string& real = server.address();
-  ember::testing::TcpProxy proxy(std::stoi(real.substr(real.rfind(':') + 1)));
+  auto proxy = proxy_to(server);
 
   std::promise<void> b_stalled, b_go;
   std::shared_future<void> b_go_now = b_go.get_future().share();
@@ -548,14 +563,11 @@ TEST(WorkerResend, ASenderStalledAcrossAReconnectStillGoesAfterTheReSends) {
     (void)b_waiting.wait_for(10s);
   });
 
-  auto w = make_worker(spec, fmt::format("127.0.0.1:{}", proxy.port()), 0,
-                       {{"worker.resend_attempts", "3"}, {"worker.connect_retries", "20"}});
+  auto w = proxied_worker(spec, *proxy, 3, kKey);
   ASSERT_TRUE(w);
-  const std::uint64_t shape[] = {4};
-  ASSERT_TRUE(w->init(kKey, shape, std::vector<float>(4, 0.0f)).wait());
   const std::vector<float> g(4, 1.0f);
 
-  proxy.hold_requests();
+  proxy->hold_requests();
   Handle a = w->push(kKey, g, 0);
   std::optional<Result<std::uint64_t>> b_result;
   std::thread b([&] {
@@ -563,7 +575,7 @@ TEST(WorkerResend, ASenderStalledAcrossAReconnectStillGoesAfterTheReSends) {
     b_result = w->push(kKey, g, 1).wait();
   });
   ASSERT_EQ(b_stalled.get_future().wait_for(60s), std::future_status::ready);
-  proxy.drop_all();  // A is lost with its connection
+  proxy->drop_all();  // A is lost with its connection
 
   auto ra = a.wait();
   b.join();
