@@ -48,6 +48,16 @@ open(sys.argv[2] + "/k8s-worker.cmd", "w").write(" ".join(job["spec"]["template"
 assert job["spec"]["completionMode"] == "Indexed", "workers take their rank from the completion index"
 replicas = sts["spec"]["replicas"]
 servers = [l for l in cm["data"]["ember.toml"].splitlines() if l.startswith("servers")]
+# The servers' hugepages hold the page pool: prealloc_pages x 2 MiB.
+import re
+pages = re.search(r"^prealloc_pages\s*=\s*(\d+)", cm["data"]["ember.toml"], re.M)
+assert pages, "the ConfigMap does not set prealloc_pages (the hugepages request is sized from it)"
+res = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
+for side in ("requests", "limits"):
+    assert res[side]["hugepages-2Mi"] == f"{int(pages.group(1)) * 2}Mi", \
+        f"hugepages-2Mi {side} {res[side]['hugepages-2Mi']} != prealloc_pages x 2 MiB"
+assert "--rejoin" in " ".join(job["spec"]["template"]["spec"]["containers"][0]["args"]), \
+    "restarted worker pods (restartPolicy OnFailure) need --rejoin"
 assert servers and servers[0].count(":7070") == replicas, "cluster.servers does not list every replica"
 PY
 # The pods add the token from the Secret (--set communication.auth_token=...).
@@ -158,4 +168,31 @@ for a in copies:
     build_line = next(b for j, b in instr if j == "RUN" and "--target" in b)
     assert m.group(2) in build_line, f"{m.group(2)} is copied but not built"
 PY
+# The server command in the Dockerfile's header: its arguments after the
+# image name, with the mounted file being config/ember.toml, pass
+# --check-config (a 0.0.0.0 listen address needs the token it sets).
+"$py" - "$root" "$tmp/docker-server.args" <<'PY' || fail "deploy/container/Dockerfile: header"
+import shlex, sys
+root, out = sys.argv[1], sys.argv[2]
+lines = open(f"{root}/deploy/container/Dockerfile").read().splitlines()
+start = next(i for i, l in enumerate(lines) if l.startswith("#   docker run --rm -p"))
+cmd = ""
+for l in lines[start:]:
+    part = l[1:].strip()
+    if part.endswith("\\"):
+        cmd += part[:-1] + " "
+        continue
+    cmd += part
+    break
+words = shlex.split(cmd.replace("$EMBER_AUTH_TOKEN", "a-token"))
+args = words[words.index("ember") + 1:]
+assert args[:2] == ["--config", "/etc/ember/ember.toml"], args
+args[1] = f"{root}/config/ember.toml"
+open(out, "w").write("\n".join(args) + "\n")
+PY
+mapfile -t docker_args <"$tmp/docker-server.args"
+"$server" "${docker_args[@]}" --check-config >/dev/null \
+  || fail "the Dockerfile's docker run arguments do not pass --check-config"
+grep -qx 'build/' "$root/.dockerignore" || fail ".dockerignore does not keep build/ out of the docker context"
+
 echo "deploy_files_test: ok"
