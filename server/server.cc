@@ -166,12 +166,12 @@ struct Server::Impl final : ReplySink {
   metrics::Gauge* lent_copies = nullptr;
   metrics::Counter* checkpoints_written = nullptr;
   metrics::Gauge* workers_connected = nullptr;
-  metrics::Gauge* bytes_in = nullptr;
-  metrics::Gauge* bytes_out = nullptr;
-  metrics::Gauge* frames_in = nullptr;
-  metrics::Gauge* frames_out = nullptr;
-  metrics::Gauge* messages_in = nullptr;
-  metrics::Gauge* messages_out = nullptr;
+  metrics::Counter* bytes_in = nullptr;
+  metrics::Counter* bytes_out = nullptr;
+  metrics::Counter* frames_in = nullptr;
+  metrics::Counter* frames_out = nullptr;
+  metrics::Counter* messages_in = nullptr;
+  metrics::Counter* messages_out = nullptr;
   metrics::Gauge* batch_fill = nullptr;
   metrics::Gauge* pool_in_use = nullptr;
   metrics::Gauge* pool_region = nullptr;
@@ -349,12 +349,12 @@ void Server::Impl::make_metrics() {
       &registry.counter("ember_server_checkpoints_written_total", "Checkpoints written");
   workers_connected =
       &registry.gauge("ember_server_workers_connected", "Worker ranks with a live connection");
-  bytes_in = &registry.gauge("ember_server_bytes_received", "Message payload bytes received");
-  bytes_out = &registry.gauge("ember_server_bytes_sent", "Message payload bytes sent");
-  frames_in = &registry.gauge("ember_server_frames_received", "Frames (batches and large) received");
-  frames_out = &registry.gauge("ember_server_frames_sent", "Frames (batches and large) sent");
-  messages_in = &registry.gauge("ember_server_messages_received", "Messages received");
-  messages_out = &registry.gauge("ember_server_messages_sent", "Messages sent");
+  bytes_in = &registry.counter("ember_server_bytes_received_total", "Message payload bytes received");
+  bytes_out = &registry.counter("ember_server_bytes_sent_total", "Message payload bytes sent");
+  frames_in = &registry.counter("ember_server_frames_received_total", "Frames (batches and large) received");
+  frames_out = &registry.counter("ember_server_frames_sent_total", "Frames (batches and large) sent");
+  messages_in = &registry.counter("ember_server_messages_received_total", "Messages received");
+  messages_out = &registry.counter("ember_server_messages_sent_total", "Messages sent");
   batch_fill = &registry.gauge("ember_server_batch_fill_ratio",
                                "Received payload bytes per frame over batch_threshold (capped at 1)");
   pool_in_use = &registry.gauge("ember_pool_bytes_in_use", "Page-pool bytes in allocated blocks");
@@ -1400,12 +1400,12 @@ void Server::Impl::refresh_metrics() {
     for (auto n : rank_connections) connected += n > 0 ? 1 : 0;
   }
   workers_connected->set(connected);
-  bytes_in->set(static_cast<double>(total.bytes_received));
-  bytes_out->set(static_cast<double>(total.bytes_sent));
-  frames_in->set(static_cast<double>(total.frames_received));
-  frames_out->set(static_cast<double>(total.frames_sent));
-  messages_in->set(static_cast<double>(total.messages_received));
-  messages_out->set(static_cast<double>(total.messages_sent));
+  bytes_in->raise_to(total.bytes_received);
+  bytes_out->raise_to(total.bytes_sent);
+  frames_in->raise_to(total.frames_received);
+  frames_out->raise_to(total.frames_sent);
+  messages_in->raise_to(total.messages_received);
+  messages_out->raise_to(total.messages_sent);
   if (total.frames_received > 0) {
     const double per_frame = static_cast<double>(total.bytes_received) /
                              static_cast<double>(total.frames_received);

@@ -65,6 +65,17 @@ class alignas(kFalseSharingBytes) Counter {
 
   // Adds n. Any thread; lock-free; wraps modulo 2^64 (not reachable in practice).
   void inc(std::uint64_t n = 1) noexcept { value_.fetch_add(n, std::memory_order_relaxed); }
+  // For a counter that mirrors a count kept elsewhere (a transport's
+  // per-connection statistics, sampled at scrape time; as Prometheus
+  // collectors export /proc counters): the value becomes max(value, total),
+  // so a sample that briefly reads less (a connection's count moving to a
+  // running sum) never makes the counter go down. Any thread; lock-free.
+  void raise_to(std::uint64_t total) noexcept {
+    std::uint64_t cur = value_.load(std::memory_order_relaxed);
+    while (cur < total &&
+           !value_.compare_exchange_weak(cur, total, std::memory_order_relaxed)) {
+    }
+  }
   std::uint64_t value() const noexcept { return value_.load(std::memory_order_relaxed); }
 
  private:

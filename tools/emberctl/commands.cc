@@ -85,12 +85,12 @@ std::string config_summary(const config::Config& c, std::string_view path) {
 }
 
 Result<std::uint64_t> average_message_bytes(const Exposition& m) {
-  const auto bytes = m.value("ember_server_bytes_received");
-  const auto msgs = m.value("ember_server_messages_received");
+  const auto bytes = m.value("ember_server_bytes_received_total");
+  const auto msgs = m.value("ember_server_messages_received_total");
   if (!bytes || !msgs) {
     return make_error(ErrorCode::kNotFound,
-                      "the server exports no ember_server_bytes_received / "
-                      "ember_server_messages_received; give --avg-message-size");
+                      "the server exports no ember_server_bytes_received_total / "
+                      "ember_server_messages_received_total; give --avg-message-size");
   }
   if (*msgs < 1) {
     return make_error(ErrorCode::kNotFound,

@@ -48,8 +48,8 @@ CheckpointAnswer interpret_checkpoint_answer(int http_status, std::string_view b
 // settings that matter to an operator.
 std::string config_summary(const config::Config& config, std::string_view path);
 
-// Average message payload size seen by a server: ember_server_bytes_received
-// / ember_server_messages_received, rounded to the nearest byte. Errors
+// Average message payload size seen by a server: ember_server_bytes_received_total
+// / ember_server_messages_received_total, rounded to the nearest byte. Errors
 // (kNotFound): either metric is missing, or no message was received yet.
 [[nodiscard]] Result<std::uint64_t> average_message_bytes(const Exposition& metrics);
 

@@ -30,8 +30,8 @@ std::optional<std::uint64_t> parse_index(const std::string& text) {
 // Families printed in their own sections of `stats`; the rest go last.
 const std::set<std::string>& known_families() {
   static const std::set<std::string> k = {
-      "ember_server_bytes_received", "ember_server_bytes_sent", "ember_server_messages_received",
-      "ember_server_messages_sent", "ember_server_frames_received", "ember_server_frames_sent",
+      "ember_server_bytes_received_total", "ember_server_bytes_sent_total", "ember_server_messages_received_total",
+      "ember_server_messages_sent_total", "ember_server_frames_received_total", "ember_server_frames_sent_total",
       "ember_server_batch_fill_ratio", "ember_pool_bytes_in_use", "ember_pool_region_bytes",
       "ember_server_entries", "ember_server_shard_ring_items", "ember_server_workers_connected",
       "ember_server_worker_step", "ember_server_request_latency_us",
@@ -201,15 +201,15 @@ std::string format_stats(const Exposition& now, const Exposition* previous, doub
     out += fmt::format("  {:<22}{}{}\n", label, or_na(now.value(name)), count_rate(name));
   };
   out += "traffic\n";
-  bytes_line("bytes received", "ember_server_bytes_received");
-  bytes_line("bytes sent", "ember_server_bytes_sent");
-  count_line("messages received", "ember_server_messages_received");
-  count_line("messages sent", "ember_server_messages_sent");
-  count_line("frames received", "ember_server_frames_received");
-  count_line("frames sent", "ember_server_frames_sent");
-  const auto msgs = now.value("ember_server_messages_received");
-  const auto bytes = now.value("ember_server_bytes_received");
-  const auto frames = now.value("ember_server_frames_received");
+  bytes_line("bytes received", "ember_server_bytes_received_total");
+  bytes_line("bytes sent", "ember_server_bytes_sent_total");
+  count_line("messages received", "ember_server_messages_received_total");
+  count_line("messages sent", "ember_server_messages_sent_total");
+  count_line("frames received", "ember_server_frames_received_total");
+  count_line("frames sent", "ember_server_frames_sent_total");
+  const auto msgs = now.value("ember_server_messages_received_total");
+  const auto bytes = now.value("ember_server_bytes_received_total");
+  const auto frames = now.value("ember_server_frames_received_total");
   out += "batching\n";
   out += fmt::format("  {:<22}{}\n", "average message",
                      msgs && bytes && *msgs > 0 ? human_bytes(*bytes / *msgs) : std::string("n/a"));

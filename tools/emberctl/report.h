@@ -6,8 +6,8 @@
 //   ember_server_workers_connected, ember_server_worker_step{rank},
 //   ember_pool_bytes_in_use, ember_pool_region_bytes, ember_server_entries,
 //   ember_server_shard_ring_items{shard}, ember_server_checkpoints_written_total,
-//   ember_server_bytes_received / _sent, ember_server_messages_received / _sent,
-//   ember_server_frames_received, ember_server_batch_fill_ratio,
+//   ember_server_{bytes,messages}_{received,sent}_total,
+//   ember_server_frames_received_total, ember_server_batch_fill_ratio,
 //   ember_server_request_latency_us{type} (histogram), and
 //   ember_pool_backing_info{backing="hugetlb"|"thp"|"plain"} 1.
 // A metric the server does not export (an older server lacks the backing

@@ -1016,7 +1016,7 @@ TEST(ServerMetrics, EndpointServesPrometheusText) {
   EXPECT_NE(text.find("200 OK"), std::string::npos) << text;
   EXPECT_NE(text.find("text/plain; version=0.0.4"), std::string::npos);
   for (const char* name :
-       {"ember_server_bytes_received", "ember_server_frames_sent", "ember_server_batch_fill_ratio",
+       {"ember_server_bytes_received_total", "ember_server_frames_sent_total", "ember_server_batch_fill_ratio",
         "ember_server_shard_ring_items{shard=\"0\"}", "ember_server_request_latency_us_bucket",
         "ember_pool_bytes_in_use", "ember_server_bad_messages_total",
         "ember_server_checksum_failures_total", "ember_server_workers_connected 1",

@@ -491,7 +491,7 @@ TEST(ServerEndToEnd, ThreeServersServeAChunkedTensor) {
   EXPECT_EQ(out[1], expect);
   for (auto& s : servers) {
     const std::string text = http_get(s->metrics_address(), "/metrics");
-    EXPECT_NE(text.find("ember_server_bytes_received"), std::string::npos);
+    EXPECT_NE(text.find("ember_server_bytes_received_total"), std::string::npos);
   }
 }
 

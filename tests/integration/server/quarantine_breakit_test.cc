@@ -94,13 +94,13 @@ TEST(ShmStalledServer, HeldPushSurvivesTheStallAndTheRoundUsesItsOriginalBytes) 
   // shared ring, where the worker reads it while the server is stopped):
   // its bytes received rising is too early, the shard may not have handled
   // the push yet, and then the push has no reply and fails.
-  const long received_before = metric(server, "ember_server_bytes_received");
-  const long sent_before = metric(server, "ember_server_messages_sent");
+  const long received_before = metric(server, "ember_server_bytes_received_total");
+  const long sent_before = metric(server, "ember_server_messages_sent_total");
   std::vector<float> g1(kElements, 3.0f);
   Handle h1 = workers[1]->push(1, g1);
-  ASSERT_TRUE(wait_metric(server, "ember_server_bytes_received",
+  ASSERT_TRUE(wait_metric(server, "ember_server_bytes_received_total",
                           received_before + static_cast<long>(kElements * 4)));
-  ASSERT_TRUE(wait_metric(server, "ember_server_messages_sent", sent_before + 1));
+  ASSERT_TRUE(wait_metric(server, "ember_server_messages_sent_total", sent_before + 1));
   server.process().signal(SIGSTOP);
   // Declared dead after heartbeat_timeout (2 s); the push is done at most
   // heartbeat_timeout after that (its reply came at once), while the server
@@ -167,11 +167,11 @@ TEST(ShmHeldPush, WorkerDestroyedWhileTheServerHoldsItsPushReturns) {
                    .wait();
     ASSERT_TRUE(res) << res.error().to_string();
   });
-  const long m0 = metric(server, "ember_server_messages_received");
+  const long m0 = metric(server, "ember_server_messages_received_total");
   std::vector<float> g(kElements, 1.0f);
   {
     Handle h0 = workers[0]->push(1, g);  // held by the server until rank 1 pushes
-    ASSERT_TRUE(wait_metric(server, "ember_server_messages_received", m0 + 2));  // header, data
+    ASSERT_TRUE(wait_metric(server, "ember_server_messages_received_total", m0 + 2));  // header, data
     Destroy d(std::move(workers[0]));
     const bool returned = d.done(10s);
     EXPECT_TRUE(returned) << "~Worker blocked 10 s (heartbeat_timeout is 2 s) while the server "
@@ -212,7 +212,7 @@ TEST(ShmStalledWorker, ServerExitsOnSigtermWhileAStoppedWorkerHoldsALentReply) {
   ASSERT_TRUE((*w2)->init(1, shape, {}).wait());
   std::vector<float> g(kElements, 1.0f);
   // Rank 0's push of step 0 is folded (and done) once rank 1's is in.
-  const long m0 = metric(server, "ember_server_messages_received");
+  const long m0 = metric(server, "ember_server_messages_received_total");
   Handle h0 = (*w0)->push(1, g);
   // Worker 1 (a process): init, push step 0, then pull step 1, which waits
   // for rank 2.
@@ -227,11 +227,11 @@ TEST(ShmStalledWorker, ServerExitsOnSigtermWhileAStoppedWorkerHoldsALentReply) {
   }
   // Worker 1's pull has reached the server: 7 messages since m0 (rank 0's
   // push: header and data; worker 1's join, init, push header and data, pull).
-  ASSERT_TRUE(wait_metric(server, "ember_server_messages_received", m0 + 7));
+  ASSERT_TRUE(wait_metric(server, "ember_server_messages_received_total", m0 + 7));
   w1.signal(SIGSTOP);
-  const long sent_before = metric(server, "ember_server_bytes_sent");
+  const long sent_before = metric(server, "ember_server_bytes_sent_total");
   ASSERT_TRUE((*w2)->push(1, g).wait());  // completes round 0: w1's reply is sent, lent
-  ASSERT_TRUE(wait_metric(server, "ember_server_bytes_sent",
+  ASSERT_TRUE(wait_metric(server, "ember_server_bytes_sent_total",
                           sent_before + static_cast<long>(kElements * 4)));
   server.process().signal(SIGTERM);
   const auto status = server.process().wait_exit(15s);

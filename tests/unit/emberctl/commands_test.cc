@@ -75,9 +75,9 @@ Exposition server_metrics() {
   reg.gauge("ember_server_entries", "e").set(42);
   reg.gauge("ember_server_shard_ring_items", "r", {{"shard", "0"}}).set(3);
   reg.counter("ember_server_checkpoints_written_total", "c").inc(5);
-  reg.gauge("ember_server_bytes_received", "b").set(1000.0 * 4096);
-  reg.gauge("ember_server_messages_received", "m").set(1000);
-  reg.gauge("ember_server_frames_received", "f").set(250);
+  reg.counter("ember_server_bytes_received_total", "b").inc(1000 * 4096);
+  reg.counter("ember_server_messages_received_total", "m").inc(1000);
+  reg.counter("ember_server_frames_received_total", "f").inc(250);
   reg.gauge("ember_server_batch_fill_ratio", "f").set(0.5);
   auto& h = reg.histogram("ember_server_request_latency_us", "l", kBounds, {{"type", "push"}});
   h.observe(5);
@@ -131,7 +131,7 @@ TEST(Stats, FormatsSectionsAndRates) {
   EXPECT_NE(text.find("checkpoints written   5\n"), std::string::npos) << text;
   EXPECT_NE(text.find("other\n  ember_other_total 9\n"), std::string::npos) << text;
   auto before = parse_exposition(
-      "ember_server_bytes_received 0\nember_server_messages_received 600\n");
+      "ember_server_bytes_received_total 0\nember_server_messages_received_total 600\n");
   ASSERT_TRUE(before);
   text = format_stats(now, &*before, 2.0);
   EXPECT_NE(text.find("bytes received        3.9 MiB  (2.0 MiB/s)"), std::string::npos) << text;
@@ -153,7 +153,7 @@ TEST(AverageMessage, BytesOverMessages) {
   auto avg = average_message_bytes(server_metrics());
   ASSERT_TRUE(avg);
   EXPECT_EQ(*avg, 4096u);
-  auto none = parse_exposition("ember_server_bytes_received 0\nember_server_messages_received 0\n");
+  auto none = parse_exposition("ember_server_bytes_received_total 0\nember_server_messages_received_total 0\n");
   auto r = average_message_bytes(*none);
   ASSERT_FALSE(r);
   EXPECT_NE(r.error().message().find("no message yet"), std::string::npos);

@@ -148,6 +148,28 @@ TEST(Counter, ConcurrentIncrementsSumExactly) {
   EXPECT_EQ(gauge.value(), static_cast<double>(kThreads) * kPerThread);
 }
 
+TEST(Counter, RaiseToMirrorsATotalAndNeverGoesDown) {
+  Registry r;
+  Counter& c = r.counter("mirrored_total", "h");
+  c.raise_to(100);
+  EXPECT_EQ(c.value(), 100u);
+  c.raise_to(40);  // a sample that read less (a count moving between sums)
+  EXPECT_EQ(c.value(), 100u);
+  c.raise_to(250);
+  EXPECT_EQ(c.value(), 250u);
+  EXPECT_NE(r.render().find("# TYPE mirrored_total counter\nmirrored_total 250\n"), std::string::npos)
+      << r.render();
+  // Concurrent samplers: the largest total wins.
+  std::vector<std::thread> threads;
+  for (std::uint64_t t = 1; t <= 4; ++t) {
+    threads.emplace_back([&c, t] {
+      for (std::uint64_t i = 0; i < 10'000; ++i) c.raise_to(1000 * t + i);
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(c.value(), 4000u + 9'999u);
+}
+
 TEST(Counter, DoesNotShareCacheLines) {
   static_assert(alignof(Counter) >= kFalseSharingBytes);
   static_assert(alignof(Gauge) >= kFalseSharingBytes);
