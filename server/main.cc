@@ -65,7 +65,8 @@ int run(int argc, char** argv) {
   app.add_option("--set", overrides, "override one key: table.key=value (repeatable)");
   CLI::Option* check = app.add_flag("--check-config", check_config,
                                     "validate the configuration and exit (0 = valid, 1 = not): the file, the listen "
-                                    "address, shard CPUs and that checkpoint_dir is usable");
+                                    "address (its form and the auth-token rule; not whether the port is "
+                                    "free now), shard CPUs and that checkpoint_dir is usable");
   app.add_flag("--print-config", print_config,
                "print the effective configuration, defaults included, and exit (1 if the file "
                "or a --set is invalid); not with --check-config")

@@ -228,6 +228,7 @@ Result<toml::value> parse_toml(std::string_view text, std::string_view source) {
     // toml11: "[error] <summary>\n --> file\n   |\n 4 | x = = 3\n   |     ^--- here"
     std::string summary = what.substr(0, what.find('\n'));
     if (summary.starts_with("[error] ")) summary.erase(0, 8);
+    while (!summary.empty() && (summary.back() == '.' || summary.back() == ' ')) summary.pop_back();
     std::string excerpt;
     if (const std::size_t nl = what.find('\n'); nl != std::string::npos) excerpt = what.substr(nl);
     return issues_error(source, {{line, fmt::format("TOML syntax error: {}; fix the syntax at the "

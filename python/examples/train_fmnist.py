@@ -210,8 +210,10 @@ def main(argv=None):
             worker.set_learning_rate(args.lr)
         worker.barrier()  # everyone starts with the same parameters and rate
         batches = len(x_train) // (args.batch_size * nw)  # same step count on every rank
-        print("rank %d of %d: %d train / %d test images, %d steps per epoch, batch %d, hidden %d"
-              % (rank, nw, len(x_train), len(x_test), batches, args.batch_size, args.hidden),
+        print("rank %d of %d: trains on %d of the %d training images per epoch (its batches of "
+              "a shared shuffle), tests on %d; %d steps per epoch, batch %d, hidden %d"
+              % (rank, nw, batches * args.batch_size, len(x_train), len(x_test), batches,
+                 args.batch_size, args.hidden),
               flush=True)
         step = 0
         all_losses = []

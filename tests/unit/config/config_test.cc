@@ -661,6 +661,9 @@ TEST(ConfigErrors, SyntaxErrorHasFileAndLine) {
               AllOf(HasSubstr("\n"), Not(HasSubstr("\\u000a"))));
   EXPECT_THAT(parse_error("[communication]\ntransport = \"tcp\n"),
               HasSubstr("cfg.toml:2: TOML syntax error"));
+  // toml11's summary ends with a full stop; the advice follows it cleanly.
+  EXPECT_THAT(parse_error("[communication]\n= 3\n"),
+              AllOf(HasSubstr("cfg.toml:2: TOML syntax error"), Not(HasSubstr(".;"))));
   EXPECT_THAT(parse_error("[communication]\ntransport = \"a\"\ntransport = \"b\"\n"),
               HasSubstr("cfg.toml:"));
   EXPECT_THAT(parse_error("[worker]\nrank = 0\nx = 'ab\xff'\n"),
