@@ -40,6 +40,13 @@ set +e
 set -e
 [[ $rc == 2 ]] && grep -q "10Gbit" "$tmp/err" || fail "tune with a bad bandwidth unit: rc=$rc"
 
+# A missing argument is reported before a probe runs (exit 2, not the probe's
+# failure against a port where nothing listens).
+set +e
+"$ctl" tune --probe 127.0.0.1:1 --workers 2 >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+[[ $rc == 2 ]] && grep -q -- "--avg-message-size" "$tmp/err" \
+  || fail "tune --probe without --avg-message-size: rc=$rc $(cat "$tmp/err")"
 # tune --probe against a sink on loopback.
 mkfifo "$tmp/sink.fifo"
 "$ctl" probe-sink --listen 127.0.0.1:0 --clients 1 >"$tmp/sink.fifo" 2>"$tmp/sink.err" &

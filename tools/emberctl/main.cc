@@ -228,42 +228,6 @@ int cmd_tune(const TuneArgs& a) {
   }
   auto timeout = parse_timeout(a.timeout);
   if (!timeout) return usage_error(timeout.error().message());
-  if (!a.probe.empty()) {
-    if (!a.rtt.empty() || !a.bandwidth.empty()) {
-      return usage_error("give either --probe or --rtt and --bandwidth, not both");
-    }
-    auto d = parse_duration(a.probe_duration);
-    if (!d) return usage_error(d.error().message());
-    // run_probe sizes the bulk transfer from a warm-up's rate, so it takes
-    // about --probe-duration only when the link's rate holds; the measured
-    // line below gives the time it really took.
-    std::printf("probing %s: %u pings, then a bulk transfer sized to take about %s (--probe-duration) "
-                "at a warm-up's rate...\n",
-                a.probe.c_str(), a.pings, format_duration(*d).c_str());
-    std::fflush(stdout);
-    auto p = run_probe(a.probe, a.pings, *d, *timeout);
-    if (!p) {
-      std::fprintf(stderr, "emberctl tune: %s\n", p.error().to_string().c_str());
-      return kExitFailed;
-    }
-    std::printf("measured: RTT %s (median of %u, min %s), bandwidth %s (%s sent in %s)\n",
-                format_duration(p->rtt).c_str(), p->pings, format_duration(p->rtt_min).c_str(),
-                format_bandwidth(p->bandwidth_bytes_per_s).c_str(), human_bytes(static_cast<double>(p->bulk_bytes)).c_str(),
-                format_duration(p->bulk_time).c_str());
-    in.rtt = p->rtt;
-    in.bandwidth_bytes_per_s = p->bandwidth_bytes_per_s;
-  } else {
-    if (a.rtt.empty() || a.bandwidth.empty()) {
-      return usage_error("tune needs --rtt and --bandwidth (e.g. --rtt 50us --bandwidth 10Gbit), or "
-                         "--probe HOST:PORT to measure them against `emberctl probe-sink`");
-    }
-    auto rtt = parse_duration(a.rtt);
-    if (!rtt) return usage_error(fmt::format("--rtt: {}", rtt.error().message()));
-    auto bw = parse_bandwidth(a.bandwidth);
-    if (!bw) return usage_error(fmt::format("--bandwidth: {}", bw.error().message()));
-    in.rtt = *rtt;
-    in.bandwidth_bytes_per_s = *bw;
-  }
   if (a.workers != 0) {
     in.num_workers = a.workers;
   } else if (cfg) {
@@ -301,6 +265,44 @@ int cmd_tune(const TuneArgs& a) {
   } else {
     return usage_error("tune needs --avg-message-size SIZE (e.g. 64KB), or --metrics HOST:PORT of a "
                        "server that has seen traffic");
+  }
+  // The link last: a probe takes a while, and a missing or bad argument
+  // above is reported before it runs.
+  if (!a.probe.empty()) {
+    if (!a.rtt.empty() || !a.bandwidth.empty()) {
+      return usage_error("give either --probe or --rtt and --bandwidth, not both");
+    }
+    auto d = parse_duration(a.probe_duration);
+    if (!d) return usage_error(d.error().message());
+    // run_probe sizes the bulk transfer from a warm-up's rate, so it takes
+    // about --probe-duration only when the link's rate holds; the measured
+    // line below gives the time it really took.
+    std::printf("probing %s: %u pings, then a bulk transfer sized to take about %s (--probe-duration) "
+                "at a warm-up's rate...\n",
+                a.probe.c_str(), a.pings, format_duration(*d).c_str());
+    std::fflush(stdout);
+    auto p = run_probe(a.probe, a.pings, *d, *timeout);
+    if (!p) {
+      std::fprintf(stderr, "emberctl tune: %s\n", p.error().to_string().c_str());
+      return kExitFailed;
+    }
+    std::printf("measured: RTT %s (median of %u, min %s), bandwidth %s (%s sent in %s)\n",
+                format_duration(p->rtt).c_str(), p->pings, format_duration(p->rtt_min).c_str(),
+                format_bandwidth(p->bandwidth_bytes_per_s).c_str(), human_bytes(static_cast<double>(p->bulk_bytes)).c_str(),
+                format_duration(p->bulk_time).c_str());
+    in.rtt = p->rtt;
+    in.bandwidth_bytes_per_s = p->bandwidth_bytes_per_s;
+  } else {
+    if (a.rtt.empty() || a.bandwidth.empty()) {
+      return usage_error("tune needs --rtt and --bandwidth (e.g. --rtt 50us --bandwidth 10Gbit), or "
+                         "--probe HOST:PORT to measure them against `emberctl probe-sink`");
+    }
+    auto rtt = parse_duration(a.rtt);
+    if (!rtt) return usage_error(fmt::format("--rtt: {}", rtt.error().message()));
+    auto bw = parse_bandwidth(a.bandwidth);
+    if (!bw) return usage_error(fmt::format("--bandwidth: {}", bw.error().message()));
+    in.rtt = *rtt;
+    in.bandwidth_bytes_per_s = *bw;
   }
   auto r = tune(in);
   if (!r) return usage_error(r.error().message());
