@@ -2,6 +2,7 @@
 #include "server/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -511,6 +512,48 @@ Status prepare_checkpoint_dir(const std::filesystem::path& dir) {
     return tl::unexpected(err);
   }
   return ok_status();
+}
+
+CheckpointDirLock& CheckpointDirLock::operator=(CheckpointDirLock&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+CheckpointDirLock::~CheckpointDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
+
+Result<CheckpointDirLock> lock_checkpoint_dir(const std::filesystem::path& dir,
+                                              std::uint32_t server_index) {
+  const std::filesystem::path path = dir / fmt::format(".ember-s{:03}.lock", server_index);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return make_sys_error(errno, "cannot create the lock file '{}'", path.string());
+  CheckpointDirLock lock(fd);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err != EWOULDBLOCK) {
+      return make_sys_error(err, "cannot lock '{}'", path.string());
+    }
+    char buf[32] = {};
+    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+    std::string owner(buf, n > 0 ? static_cast<std::size_t>(n) : 0);
+    while (!owner.empty() && (owner.back() == '\n' || owner.back() == ' ')) owner.pop_back();
+    return make_error(ErrorCode::kUnavailable,
+                      "checkpoint_dir '{}' is in use by another ember-server with server_index {}{}: "
+                      "give each job its own checkpoint_dir, or stop that server first",
+                      dir.string(), server_index,
+                      owner.empty() ? std::string() : fmt::format(" (pid {})", owner));
+  }
+  // The owner's pid, for the message above (advisory: the flock decides).
+  const std::string pid = fmt::format("{}\n", ::getpid());
+  if (::ftruncate(fd, 0) != 0 ||
+      ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    return make_sys_error(errno, "cannot write the lock file '{}'", path.string());
+  }
+  return lock;
 }
 
 Status probe_writable(const std::filesystem::path& dir) {

@@ -36,6 +36,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/base/error.h"
@@ -120,6 +121,39 @@ enum class RefusedFiles {
 // create directory", "is not a directory", "cannot create a file in it",
 // "cannot remove probe file") and the errno.
 [[nodiscard]] Status prepare_checkpoint_dir(const std::filesystem::path& dir);
+
+// Exclusive use of a checkpoint directory by one server index, for as long
+// as the object lives: an flock(2) on "<dir>/.ember-s000.lock" (the index in
+// the name), which also holds the owner's pid for the error below. Two live
+// servers with the same index and directory (two jobs given one
+// checkpoint_dir) would restore each other's state, number their files alike
+// and replace each other's checkpoints; the second one is refused instead.
+// The kernel drops the lock when its process dies (kill -9 included), so a
+// restarted server finds it free. Servers of other indexes share a
+// directory freely (their files have other names). Move-only.
+class CheckpointDirLock {
+ public:
+  CheckpointDirLock() = default;
+  explicit CheckpointDirLock(int fd) : fd_(fd) {}
+  CheckpointDirLock(CheckpointDirLock&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  CheckpointDirLock& operator=(CheckpointDirLock&& o) noexcept;
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+  ~CheckpointDirLock();
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+// Takes the lock of `server_index` in the existing directory `dir` without
+// waiting. Blocks on file I/O only. Errors: kUnavailable when another
+// process holds it ("checkpoint_dir '<dir>' is in use by another
+// ember-server with server_index 0 (pid 1234): give each job its own
+// checkpoint_dir, or stop that server first"); kIo naming the lock file and
+// the errno when it cannot be created or locked.
+[[nodiscard]] Result<CheckpointDirLock> lock_checkpoint_dir(const std::filesystem::path& dir,
+                                                            std::uint32_t server_index);
 
 // Whether this process can create (and remove) a file in the existing
 // directory `dir`: creates and unlinks ".ember-write-probe-<pid>" (a

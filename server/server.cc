@@ -227,6 +227,9 @@ struct Server::Impl final : ReplySink {
   Status init(const config::Config& cfg);
   void make_metrics();
   Status restore_checkpoint();
+  // Held from restore_checkpoint() until the Impl dies (after the last
+  // checkpoint): this server's exclusive use of checkpoint_dir.
+  CheckpointDirLock ckpt_lock;
   // kConfig when a restored chunk is not one this server owns under the
   // current partition_bytes and server list (see restore_checkpoint).
   Status check_checkpoint_layout(const CheckpointData& d, const std::string& path) const;
@@ -512,6 +515,9 @@ Status Server::Impl::restore_checkpoint() {
         "\"\" to turn checkpoints off)");
     return tl::unexpected(err);
   }
+  // Before reading anything: a second live server of this index on the
+  // directory would restore the first one's state and replace its files.
+  EMBER_ASSIGN_OR_RETURN(ckpt_lock, lock_checkpoint_dir(sc.checkpoint_dir, sc.server_index));
   // Refused files are renamed aside, so pruning after the next write keeps
   // the newest checkpoint_keep valid ones (the restored one among them).
   EMBER_ASSIGN_OR_RETURN(LoadResult loaded, load_newest_checkpoint(sc.checkpoint_dir, sc.server_index));

@@ -363,6 +363,57 @@ TEST(ServerRecovery, OnlyCorruptCheckpointsAreAWarningAndAFreshStart) {
   EXPECT_EQ(*step, 0u);  // a fresh start
 }
 
+// Two jobs given one checkpoint_dir: the second server of index 0 is refused
+// at start, before it reads anything, naming the directory and the pid that
+// holds it; the first one's checkpoints stay as they were and it keeps
+// serving. Once that server is gone (kill -9 too), the directory is free.
+TEST(ServerRecovery, ASecondLiveServerOnTheSameCheckpointDirIsRefused) {
+  TempDir dir;
+  const ClusterSpec spec = adam_spec(dir);
+  auto a = std::make_unique<ServerProcess>(dir, spec, 0);
+  ASSERT_TRUE(a->ok());
+  auto w = connect_worker(spec, a->address(), 0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+  ASSERT_TRUE(w->checkpoint().wait());
+  auto listing = [&] {
+    std::vector<std::pair<std::string, std::uintmax_t>> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir / "ckpt")) {
+      files.emplace_back(e.path().filename().string(), e.file_size());
+    }
+    std::sort(files.begin(), files.end());
+    return files;
+  };
+  const auto before = listing();
+
+  const auto config = dir / "second-job.toml";
+  write_file(config, cluster_toml(spec, {"127.0.0.1:1"}));
+  const auto log_path = dir / "second-job.log";
+  Process second(server_binary(), {"--config", config.string(), "--listen", "127.0.0.1:0"}, log_path);
+  EXPECT_FALSE(second.wait_line("ember-server ready", 20s));
+  const auto status = second.wait_exit(20s);
+  ASSERT_TRUE(status) << "a second ember-server ran on the same checkpoint_dir";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0);
+  const std::string log = read_file(log_path);
+  EXPECT_NE(log.find(fmt::format("checkpoint_dir '{}' is in use by another ember-server with "
+                                 "server_index 0 (pid {})",
+                                 (dir / "ckpt").string(), a->process().pid())),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("restored checkpoint"), std::string::npos) << log;
+  EXPECT_EQ(listing(), before);
+  std::vector<float> got(64);
+  ASSERT_TRUE(w->pull(5, got).wait());
+  EXPECT_EQ(got, initial());
+
+  w.reset();
+  a->process().signal(SIGKILL);
+  ASSERT_TRUE(a->process().wait_exit());
+  ServerProcess again(dir, spec, 0);  // the kernel dropped the dead server's lock
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(again.log().find("restored checkpoint"), std::string::npos) << again.log();
+}
+
 TEST(ServerRecovery, UnwritableCheckpointDirIsRefusedAtStart) {
   TempDir dir;
   write_file(dir / "file", "");

@@ -2,12 +2,15 @@
 // with a clear reason, atomic write, keep-last-K, newest valid restored.
 #include "server/checkpoint.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <span>
 #include <random>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 namespace ember::server {
@@ -342,6 +345,38 @@ TEST(Checkpoint, PrepareDirRefusesUncreatableAndFileParents) {
   r = prepare_checkpoint_dir(dir / "file");
   ASSERT_FALSE(r);
   EXPECT_NE(r.error().to_string().find("file'"), std::string::npos) << r.error().to_string();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Checkpoint, DirLockIsExclusivePerServerIndexUntilReleased) {
+  const auto dir = temp_dir("lock");
+  std::filesystem::create_directories(dir);
+  auto first = lock_checkpoint_dir(dir, 0);
+  ASSERT_TRUE(first) << first.error().to_string();
+  EXPECT_TRUE(first->held());
+  // Another open file description, as another process would have.
+  auto second = lock_checkpoint_dir(dir, 0);
+  ASSERT_FALSE(second);
+  EXPECT_EQ(second.error().code(), ErrorCode::kUnavailable);
+  EXPECT_NE(second.error().to_string().find(fmt::format(
+                "checkpoint_dir '{}' is in use by another ember-server with server_index 0 (pid {})",
+                dir.string(), ::getpid())),
+            std::string::npos)
+      << second.error().to_string();
+  auto other_index = lock_checkpoint_dir(dir, 1);  // other file names: shared freely
+  EXPECT_TRUE(other_index) << other_index.error().to_string();
+  CheckpointDirLock moved = std::move(*first);
+  EXPECT_FALSE(lock_checkpoint_dir(dir, 0));  // still held, by `moved`
+  moved = CheckpointDirLock();                // released
+  EXPECT_TRUE(lock_checkpoint_dir(dir, 0));
+  // The lock file has no checkpoint name: the loader ignores it.
+  auto loaded = load_newest_checkpoint(dir, 0);
+  ASSERT_TRUE(loaded);
+  EXPECT_FALSE(loaded->data.has_value());
+  EXPECT_TRUE(loaded->refused.empty());
+  auto missing = lock_checkpoint_dir(dir / "missing", 0);
+  ASSERT_FALSE(missing);
+  EXPECT_EQ(missing.error().code(), ErrorCode::kIo);
   std::filesystem::remove_all(dir);
 }
 
