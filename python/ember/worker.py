@@ -104,7 +104,11 @@ def _c_text(value, what):
     """`value` (str, or bytes as UTF-8) as a C string; a NUL inside would cut
     it short without a word, so it is refused."""
     if isinstance(value, (bytes, bytearray)):
-        value = bytes(value).decode()
+        try:
+            value = bytes(value).decode()
+        except UnicodeDecodeError as e:
+            raise ValueError("%s must be UTF-8 text (the C ABI takes UTF-8), got %r: %s"
+                             % (what, bytes(value), e)) from None
     elif not isinstance(value, str):
         raise TypeError("%s must be a str, got %s" % (what, type(value).__name__))
     if "\0" in value:
@@ -112,10 +116,18 @@ def _c_text(value, what):
     return value.encode()
 
 
+def _dim(d, shape):
+    """One dimension as an int: integral values only (int() would cut 2.9 to
+    2 without a word)."""
+    if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+        raise TypeError("shape dimensions must be ints, got %r in %r" % (d, shape))
+    return int(d)
+
+
 def _shape(shape):
     """A shape as a tuple of ints, each in 0 .. 2**64-1 (ctypes would wrap
     larger ones silently); the C ABI checks the product."""
-    shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
+    shape = (_dim(shape, shape),) if np.isscalar(shape) else tuple(_dim(d, shape) for d in shape)
     for d in shape:
         if not 0 <= d <= _U64_MAX:
             raise ValueError("shape dimensions must be in 0 .. 2**64-1, got %r" % (shape,))
@@ -481,6 +493,10 @@ class Worker:
             if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0:
                 raise ValueError("rank must be a non-negative int or None, got %r" % (rank,))
             c_rank = int(rank)
+        if isinstance(overrides, (str, bytes, bytearray)):
+            # A lone string would be taken one character at a time.
+            raise TypeError("overrides must be a list of \"table.key=value\" strings, got the "
+                            "string %r; write [%r]" % (overrides, overrides))
         sets = [_c_text(s, "override") for s in overrides]
         c_sets = (ctypes.c_char_p * max(1, len(sets)))(*sets)
         handle = ctypes.c_void_p()

@@ -70,6 +70,12 @@ def test_bad_override_and_rank(tmp_path):
         ember.Worker(str(path) + "\0junk", rank=0)
     with pytest.raises(ValueError, match="override holds a NUL"):
         ember.Worker(str(path), rank=0, overrides=["worker.rank=0\0junk"])
+    # A lone string would be read one character at a time ("override 'w' has no '='").
+    with pytest.raises(TypeError, match="overrides must be a list"):
+        ember.Worker(str(path), rank=0, overrides="worker.request_timeout=5s")
+    # A bytes path that is not UTF-8 (legal on Linux): a clear error, not UnicodeDecodeError.
+    with pytest.raises(ValueError, match="config_path must be UTF-8 text"):
+        ember.Worker(b"/tmp/\xff.toml", rank=0)
     # bytes overrides are UTF-8 text, not "b'...'".
     with pytest.raises(ember.EmberError) as info:
         ember.Worker(path, rank=0, overrides=[b"worker.no_such_key=1"])
@@ -182,6 +188,12 @@ def test_shapes_that_ctypes_would_wrap_or_that_differ_from_the_keys(server):
                 w.init(40, shape=shape, values=[1, 2, 3])
         with pytest.raises(ValueError):
             w.allocate((-2,))
+        # A fractional dimension is refused, not cut short (int(2.9) == 2).
+        for shape in [(2.9,), 2.0, (2, True)]:
+            with pytest.raises(TypeError, match="shape dimensions must be ints"):
+                w.init(40, shape=shape, values=[1, 2])
+        with pytest.raises(TypeError, match="shape dimensions must be ints"):
+            w.allocate((2.5, 2))
         for shape, dtype in [((2**62,), np.float64), ((2**32, 2**32), np.float32)]:
             with pytest.raises(ember.EmberError) as info:
                 w.allocate(shape, dtype)
