@@ -101,6 +101,10 @@ class Buffer {
   // `size_bytes` of zero-initialised heap memory, 4 KiB aligned, no fd.
   // The fallback receive allocator and a convenience for tests; the hot path
   // uses pool blocks. Allocates; throws std::bad_alloc like operator new.
+  // From 1 MiB up the memory is an anonymous mapping whose pages the kernel
+  // zeroes when first touched: a body is resident only as far as its bytes
+  // arrived, so a peer that declares a large message and sends little of it
+  // costs address space, not memory.
   static Buffer heap(std::size_t size_bytes);
 
   std::byte* data() const noexcept { return data_; }

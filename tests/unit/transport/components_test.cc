@@ -5,7 +5,10 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
+#include <cstring>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -262,6 +265,35 @@ TEST(FlowControl, BoundsWaitsAndWakes) {
   closer.join();
   ASSERT_FALSE(c);
   EXPECT_EQ(c.error().code(), ErrorCode::kClosed);
+}
+
+// The process's resident set, in bytes (/proc/self/statm).
+std::size_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::size_t total_pages = 0, resident_pages = 0;
+  statm >> total_pages >> resident_pages;
+  return resident_pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// Buffer::heap is what a received large message falls back to (above the
+// pool's largest block, or with the pool exhausted): a peer that declares a
+// 256 MiB message and sends little of it must not make 256 MiB resident.
+TEST(Buffer, LargeHeapBufferIsResidentOnlyWhereWritten) {
+  constexpr std::size_t kBytes = std::size_t{256} << 20;
+  constexpr std::size_t kWritten = std::size_t{32} << 20;
+  const std::size_t before = resident_bytes();
+  Buffer b = Buffer::heap(kBytes);
+  ASSERT_EQ(b.size(), kBytes);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data()) % 4096, 0u);
+  const std::size_t allocated = resident_bytes();
+  EXPECT_LT(allocated, before + (std::size_t{16} << 20)) << "allocating made the body resident";
+  std::memset(b.data(), 0x5a, kWritten);  // what arrived
+  EXPECT_GE(resident_bytes(), allocated + kWritten / 2);
+  // Zero-initialised where nothing was written.
+  for (std::size_t at : {kWritten, kBytes / 2, kBytes - 1}) EXPECT_EQ(b.data()[at], std::byte{0}) << at;
+  EXPECT_EQ(b.data()[kWritten - 1], std::byte{0x5a});
+  Buffer small = Buffer::heap(5000);  // below the mapping size: zeroed the same
+  for (std::size_t i = 0; i < small.size(); ++i) ASSERT_EQ(small.data()[i], std::byte{0}) << i;
 }
 
 TEST(PoolBuffer, BlocksTravelAsBuffersAndReturnToThePool) {
