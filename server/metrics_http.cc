@@ -11,7 +11,9 @@
 #include <fmt/format.h>
 
 #include "common/base/logging.h"
+#include "common/config/config.h"
 #include "common/transport/accept_pacer.h"
+#include "common/transport/tcp/address.h"
 
 namespace ember::server {
 
@@ -118,12 +120,14 @@ Result<std::unique_ptr<MetricsHttp>> MetricsHttp::start(
   impl->refresh = std::move(refresh);
   impl->checkpoint = std::move(checkpoint);
   beast::error_code ec;
-  const auto address = asio::ip::make_address(host == "localhost" ? "127.0.0.1" : host, ec);
-  if (ec) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "server.metrics_listen: '{}' is not an IP address ({})", host, ec.message());
+  // A host name resolves as for [server] listen (--check-config checks both).
+  auto resolved = transport::tcp::resolve_endpoint(config::HostPort{host, port}.to_string());
+  if (!resolved) {
+    Error err = std::move(resolved).error();
+    err.with_context("[server] metrics_listen");
+    return tl::unexpected(std::move(err));
   }
-  const tcp::endpoint endpoint(address, port);
+  const tcp::endpoint endpoint = *resolved;
   impl->acceptor.open(endpoint.protocol(), ec);
   if (!ec) impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
   if (!ec) impl->acceptor.bind(endpoint, ec);

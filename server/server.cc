@@ -301,6 +301,9 @@ struct Server::Impl final : ReplySink {
     send_message(to, header, std::as_bytes(values), std::move(lease));
   }
   void error(const ReplyTo& to, const proto::Header& request, const Error& err) override;
+  // error() with the "bad request from worker" log line only when `log_it`
+  // (false: a failure of the server's own, logged where it happened).
+  void reply_error(const ReplyTo& to, const proto::Header& request, const Error& err, bool log_it);
   // Whether this is the first kOutOfStep refusal of (rank, key, chunk) (then it is logged).
   bool first_out_of_step(std::uint32_t rank, std::uint64_t key, std::uint32_t chunk);
   std::mutex out_of_step_mutex;
@@ -893,10 +896,16 @@ bool Server::Impl::first_out_of_step(std::uint32_t rank, std::uint64_t key, std:
 }
 
 void Server::Impl::error(const ReplyTo& to, const proto::Header& request, const Error& err) {
+  reply_error(to, request, err, true);
+}
+
+void Server::Impl::reply_error(const ReplyTo& to, const proto::Header& request, const Error& err,
+                               bool log_it) {
   error_replies->inc();
   auto c = find_id(to.connection_id);
   if (!c) return;
-  const bool noisy = err.code() != ErrorCode::kWorkerLost && err.code() != ErrorCode::kCancelled;
+  const bool noisy =
+      log_it && err.code() != ErrorCode::kWorkerLost && err.code() != ErrorCode::kCancelled;
   // kOutOfStep: logged once per (rank, key, chunk), whatever the connection
   // (a restored server refuses each key of each worker once, then they resync).
   const bool out_of_step = err.code() == ErrorCode::kOutOfStep;
@@ -1332,8 +1341,27 @@ Result<std::uint64_t> Server::Impl::write_checkpoint_now(bool shards_running) {
   data.sequence = next_sequence++;
   auto path = write_checkpoint(config.server.checkpoint_dir, data, config.server.checkpoint_keep);
   if (!path) {
-    log->error("checkpoint {} failed: {}", data.sequence, path.error().to_string());
-    return tl::unexpected(path.error());
+    Error err = path.error();
+    // What to do, for the causes an operator can fix.
+    std::string_view hint;
+    switch (err.sys_errno()) {
+      case ENOSPC:
+      case EDQUOT:
+        hint = "free space on the file system of [server] checkpoint_dir, or lower "
+               "[server] checkpoint_keep";
+        break;
+      case EROFS:
+      case EACCES:
+      case EPERM:
+        hint = "make [server] checkpoint_dir writable for the server's user";
+        break;
+      default: break;
+    }
+    if (!hint.empty()) {
+      err = Error(err.code(), fmt::format("{}; {}", err.message(), hint), err.sys_errno());
+    }
+    log->error("checkpoint {} failed: {}", data.sequence, err.to_string());
+    return tl::unexpected(err);
   }
   checkpoints_written->inc();
   log->info("checkpoint {} written: '{}' ({} tensor chunk(s), {:.1f} ms)", data.sequence,
@@ -1370,7 +1398,8 @@ void Server::Impl::checkpoint_loop() {
         r.step = *result;
         send_message(w.to, r, {});
       } else {
-        error(w.to, w.header, result.error());
+        // The server's own failure, logged above: not a bad request.
+        reply_error(w.to, w.header, result.error(), /*log_it=*/false);
       }
     }
     flush_dirty();
@@ -1486,6 +1515,15 @@ Server::~Server() {
 }
 
 Status check_listen_address(const config::Config& config) {
+  if (const auto& metrics = config.server.metrics_listen) {
+    // Resolved as MetricsHttp::start resolves it, whatever the transport.
+    auto resolved = transport::tcp::resolve_endpoint(metrics->to_string());
+    if (!resolved) {
+      Error err = std::move(resolved).error();
+      err.with_context("[server] metrics_listen");
+      return tl::unexpected(std::move(err));
+    }
+  }
   if (config.communication.transport != config::Transport::kTcp) return ok_status();
   const std::string address =
       proto::endpoint_address(transport::Kind::kTcp, config::effective_listen(config));

@@ -79,10 +79,12 @@ class Server {
   std::unique_ptr<Impl> impl_;
 };
 
-// What `ember-server --check-config` checks beyond config::validate: that a
-// tcp server's listen address (server.listen, else its cluster.servers
-// entry) resolves, and that one which is not a loopback address has an
-// auth_token (as Transport::listen will demand at start). Resolves names
+// What `ember-server --check-config` checks beyond config::validate: that
+// server.metrics_listen (when set) resolves, as the metrics endpoint
+// resolves it at start; that a tcp server's listen address (server.listen,
+// else its cluster.servers entry) resolves, and that one which is not a
+// loopback address has an auth_token (as Transport::listen will demand at
+// start). Resolves names
 // with the system resolver (blocking). Errors: kConfig naming the address
 // and the key to set; kInvalidArgument/kIo from resolving.
 Status check_listen_address(const config::Config& config);

@@ -605,7 +605,7 @@ std::vector<Field> build_fields() {
   f.push_back(string_field("server", "checkpoint_dir", "checkpoint directory; \"\" = off",
                            server(&ServerConfig::checkpoint_dir), /*is_path=*/true));
   f.push_back(duration_field("server", "checkpoint_interval",
-                             "time between checkpoints; \"0s\" = only on SIGTERM",
+                             "time between checkpoints; \"0s\" = only on SIGTERM; else >= 1s",
                              server(&ServerConfig::checkpoint_interval), hours(24 * 365), false));
   f.push_back(uint_field("server", "checkpoint_keep", "newest checkpoints kept; >= 1",
                          server(&ServerConfig::checkpoint_keep), 1, 1'000'000,
@@ -678,6 +678,15 @@ std::vector<Field> build_fields() {
 
 std::vector<CrossRule> build_cross_rules() {
   std::vector<CrossRule> r;
+  // One key, but a rule on its value rather than its range: 0 is allowed.
+  r.push_back({{"server.checkpoint_interval"}, [](const Config& c) -> Problem {
+                 const auto d = c.server.checkpoint_interval;
+                 if (d.count() == 0 || d >= std::chrono::seconds(1)) return std::nullopt;
+                 return fmt::format(
+                     "\"{}\" is below \"1s\": each checkpoint writes and fsyncs every tensor of "
+                     "the server; use \"0s\" (only on SIGTERM and on request) or at least \"1s\"",
+                     duration_text(d));
+               }});
   r.push_back({{"communication.heartbeat_timeout", "communication.heartbeat_interval"},
                [](const Config& c) -> Problem {
                  const auto& m = c.communication;

@@ -777,6 +777,18 @@ TEST(ServerCli, CheckConfigRefusesBadFilesWithFileAndLine) {
                                  "auth token"),
             std::string::npos)
       << open_listen.err;
+  // A metrics_listen host that does not resolve: refused here, as at start
+  // (it used to pass here and fail at start); a name that resolves is fine.
+  auto bad_metrics = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--set",
+                                   "server.metrics_listen=metrics.example.invalid:9100",
+                                   "--check-config"});
+  EXPECT_EQ(bad_metrics.status, 1) << bad_metrics.out;
+  EXPECT_NE(bad_metrics.err.find("cannot resolve host 'metrics.example.invalid'"), std::string::npos)
+      << bad_metrics.err;
+  EXPECT_NE(bad_metrics.err.find("[server] metrics_listen"), std::string::npos) << bad_metrics.err;
+  auto named_metrics = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--set",
+                                     "server.metrics_listen=localhost:9100", "--check-config"});
+  EXPECT_EQ(named_metrics.status, 0) << named_metrics.err;
   // A checkpoint_dir the start could not use (it used to pass here).
   write_file(dir / "afile", "x");
   for (const auto& [path, why] : std::vector<std::pair<std::string, std::string>>{

@@ -5,12 +5,14 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/inotify.h>
+#include <sys/mount.h>
 #include <unistd.h>
 #include <sys/wait.h>
 
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <thread>
 
@@ -414,6 +416,45 @@ TEST(ServerRecovery, ASecondLiveServerOnTheSameCheckpointDirIsRefused) {
   EXPECT_NE(again.log().find("restored checkpoint"), std::string::npos) << again.log();
 }
 
+// A checkpoint that fails on a full file system: the worker that asked gets
+// kIo with the errno and what to do, the server logs the failure once as its
+// own (not as a bad request from the worker) and keeps serving.
+TEST(ServerRecovery, ACheckpointOnAFullFileSystemSaysWhatToDo) {
+  TempDir dir;
+  const auto mnt = dir / "small";
+  std::filesystem::create_directories(mnt);
+  if (::mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=256k") != 0) {
+    GTEST_SKIP() << "mounting a 256 KiB tmpfs needs CAP_SYS_ADMIN: " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::filesystem::path at;
+    ~Unmount() { ::umount2(at.c_str(), MNT_DETACH); }
+  } unmount{mnt};
+  ClusterSpec spec = adam_spec(dir);
+  spec.checkpoint_dir = (mnt / "ckpt").string();
+  ServerProcess a(dir, spec, 0);
+  ASSERT_TRUE(a.ok());
+  auto w = connect_worker(spec, a.address(), 0);
+  ASSERT_TRUE(w);
+  const std::uint64_t shape[] = {256, 256};  // 256 KiB of parameters, more with Adam's moments
+  const std::vector<float> values(256 * 256, 0.5f);
+  ASSERT_TRUE(w->init(9, shape, values).wait());
+  auto r = w->checkpoint().wait();
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kIo) << r.error().to_string();
+  EXPECT_NE(r.error().to_string().find("No space left on device"), std::string::npos)
+      << r.error().to_string();
+  EXPECT_NE(r.error().to_string().find("free space on the file system of [server] checkpoint_dir"),
+            std::string::npos)
+      << r.error().to_string();
+  std::vector<float> got(256 * 256);
+  ASSERT_TRUE(w->pull(9, got).wait());
+  EXPECT_EQ(got, values);
+  const std::string log = a.log();
+  EXPECT_NE(log.find("checkpoint 1 failed"), std::string::npos) << log;
+  EXPECT_EQ(log.find("bad request from worker"), std::string::npos) << log;
+}
+
 TEST(ServerRecovery, UnwritableCheckpointDirIsRefusedAtStart) {
   TempDir dir;
   write_file(dir / "file", "");
@@ -803,7 +844,7 @@ TEST(ServerWorkerLoss, RestartedWorkerRejoinsAndTheRoundCompletes) {
 TEST(ServerRecovery, CheckpointOnRequestOverHttpAndPeriodically) {
   TempDir dir;
   ClusterSpec spec = adam_spec(dir);
-  spec.checkpoint_interval = "200ms";
+  spec.checkpoint_interval = "1s";  // the shortest allowed
   spec.extra_server = "checkpoint_keep = 2";
   ServerProcess a(dir, spec, 0);
   ASSERT_TRUE(a.ok());
@@ -838,7 +879,7 @@ TEST(ServerRecovery, CheckpointOnRequestOverHttpAndPeriodically) {
     }
   }
   ::close(fd);
-  EXPECT_TRUE(periodic) << "no periodic checkpoint within 10 s at checkpoint_interval 200ms";
+  EXPECT_TRUE(periodic) << "no periodic checkpoint within 10 s at checkpoint_interval 1s";
   TempDir off_dir;
   ClusterSpec off;
   ServerProcess b(off_dir, off, 0);

@@ -273,8 +273,8 @@ TEST(ConfigParse, DurationsAcceptUnits) {
   EXPECT_EQ(parse_ok("[communication]\nflush_interval = \"1.5ms\"\n").communication.flush_interval,
             1500us);
   EXPECT_EQ(parse_ok("[worker]\nrequest_timeout = \"2h\"\n").worker.request_timeout, 2h);
-  EXPECT_EQ(parse_ok("[server]\ncheckpoint_interval = \"250ns\"\n").server.checkpoint_interval,
-            250ns);
+  EXPECT_EQ(parse_ok("[server]\ncheckpoint_interval = \"1500ms\"\n").server.checkpoint_interval,
+            1500ms);
 }
 
 TEST(ConfigParse, DottedKeysAndInlineTablesWork) {
@@ -575,6 +575,17 @@ TEST(ConfigErrors, SendfileWithHugetlbIsRefused) {
   // Each of the two alone is fine, and sendfile with thp is fine.
   parse_ok("[communication]\npool_backing = \"hugetlb\"\n");
   parse_ok("[communication]\nzero_copy = \"sendfile\"\npool_backing = \"thp\"\n");
+}
+
+TEST(ConfigErrors, CheckpointIntervalIsZeroOrAtLeastOneSecond) {
+  // "1ns" passed once, and an idle server then wrote and fsynced thousands of
+  // checkpoints a second.
+  EXPECT_THAT(parse_error("[server]\ncheckpoint_interval = \"1ns\"\n"),
+              HasSubstr("cfg.toml:2: key 'server.checkpoint_interval': \"1ns\" is below \"1s\": "
+                        "each checkpoint writes and fsyncs every tensor"));
+  EXPECT_THAT(parse_error("[server]\ncheckpoint_interval = \"999ms\"\n"), HasSubstr("is below \"1s\""));
+  EXPECT_EQ(parse_ok("[server]\ncheckpoint_interval = \"0s\"\n").server.checkpoint_interval, 0s);
+  EXPECT_EQ(parse_ok("[server]\ncheckpoint_interval = \"1s\"\n").server.checkpoint_interval, 1s);
 }
 
 TEST(ConfigErrors, CrossFieldRulesPointAtTheLine) {
