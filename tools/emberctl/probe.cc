@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include <fmt/format.h>
@@ -77,9 +78,21 @@ Status send_all(int fd, const void* data, std::size_t n, std::string_view peer) 
   return ok_status();
 }
 
-Status recv_all(int fd, void* data, std::size_t n, std::string_view peer) {
+// `deadline`: the whole receive ends by then (a peer trickling a byte at a
+// time within SO_RCVTIMEO would otherwise stretch it without bound); without
+// one, each recv() has the socket's SO_RCVTIMEO.
+Status recv_all(int fd, void* data, std::size_t n, std::string_view peer,
+                std::optional<Clock::time_point> deadline = std::nullopt) {
   auto* p = static_cast<char*>(data);
   while (n > 0) {
+    if (deadline) {
+      const auto left = std::chrono::duration_cast<std::chrono::microseconds>(*deadline - Clock::now());
+      if (left.count() <= 0) return make_error(ErrorCode::kTimeout, "probe {}: receive timed out", peer);
+      timeval tv{};
+      tv.tv_sec = static_cast<time_t>(left.count() / 1'000'000);
+      tv.tv_usec = static_cast<suseconds_t>(left.count() % 1'000'000);
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    }
     const ssize_t r = ::recv(fd, p, n, 0);
     if (r == 0) return make_error(ErrorCode::kClosed, "probe {}: the peer closed the connection", peer);
     if (r < 0) {
@@ -101,7 +114,8 @@ std::uint64_t get_u64(const char* in) {
   return v;
 }
 
-Result<std::chrono::nanoseconds> bulk(int fd, std::uint64_t n, std::string_view peer) {
+Result<std::chrono::nanoseconds> bulk(int fd, std::uint64_t n, std::string_view peer,
+                                      std::chrono::milliseconds timeout) {
   static std::vector<char> chunk(kChunkBytes, 'x');
   std::array<char, 9> head{};
   head[0] = 'B';
@@ -115,7 +129,7 @@ Result<std::chrono::nanoseconds> bulk(int fd, std::uint64_t n, std::string_view 
     left -= k;
   }
   char ack[8];
-  EMBER_TRY(recv_all(fd, ack, sizeof ack, peer));
+  EMBER_TRY(recv_all(fd, ack, sizeof ack, peer, Clock::now() + timeout));
   const auto elapsed = Clock::now() - start;
   if (get_u64(ack) != n) {
     return make_error(ErrorCode::kProtocol, "probe {}: the sink acknowledged {} of {} bytes", peer,
@@ -226,7 +240,15 @@ Result<ProbeResult> run_probe(const std::string& host_port, std::uint32_t pings,
   for (std::uint32_t i = 0; i < pings; ++i) {
     const auto t0 = Clock::now();
     EMBER_TRY(send_all(fd.get(), ping, sizeof ping, peer));
-    EMBER_TRY(recv_all(fd.get(), pong, sizeof pong, peer));
+    if (Status got = recv_all(fd.get(), pong, sizeof pong, peer, t0 + timeout); !got) {
+      Error err = got.error();
+      if (i == 0 && err.code() == ErrorCode::kTimeout) {
+        // The sink serves one client at a time: it has not read this one's hello.
+        err = Error(err.code(), err.message() + " (a probe-sink serves one client at a time: is "
+                                                "another one connected to it?)");
+      }
+      return tl::unexpected(std::move(err));
+    }
     rtts.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0));
     if (std::memcmp(ping, pong, sizeof ping) != 0) {
       return make_error(ErrorCode::kProtocol, "probe {}: the ping came back altered: not a probe sink",
@@ -238,13 +260,13 @@ Result<ProbeResult> run_probe(const std::string& host_port, std::uint32_t pings,
   r.rtt_min = rtts.front();
   r.pings = pings;
 
-  EMBER_ASSIGN_OR_RETURN(const auto warm, bulk(fd.get(), kWarmupBytes, peer));
+  EMBER_ASSIGN_OR_RETURN(const auto warm, bulk(fd.get(), kWarmupBytes, peer, timeout));
   const double warm_rate = static_cast<double>(kWarmupBytes) /
                            std::max(1e-9, static_cast<double>(warm.count()) / 1e9);
   const double want = warm_rate * static_cast<double>(duration.count()) / 1e9;
   r.bulk_bytes = static_cast<std::uint64_t>(
       std::clamp(want, static_cast<double>(kWarmupBytes), static_cast<double>(kMaxBulkBytes)));
-  EMBER_ASSIGN_OR_RETURN(r.bulk_time, bulk(fd.get(), r.bulk_bytes, peer));
+  EMBER_ASSIGN_OR_RETURN(r.bulk_time, bulk(fd.get(), r.bulk_bytes, peer, timeout));
   r.bandwidth_bytes_per_s = static_cast<double>(r.bulk_bytes) /
                             std::max(1e-9, static_cast<double>(r.bulk_time.count()) / 1e9);
   const char quit = 'Q';

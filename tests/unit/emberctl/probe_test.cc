@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -75,6 +76,69 @@ TEST(Probe, PeerThatIsNotASinkIsAProtocolOrTimeoutError) {
   ASSERT_FALSE(r);
   EXPECT_EQ(r.error().code(), ErrorCode::kProtocol) << r.error().to_string();
   EXPECT_NE(r.error().message().find("not a probe sink"), std::string::npos);
+}
+
+TEST(Probe, APeerTricklingItsAnswerCannotStretchTheTimeout) {
+  // Accepts, reads the hello and a ping, then answers one byte every 100 ms:
+  // each recv() gets a byte well within the timeout, the ping's round trip
+  // does not (64 bytes would take 6.4 s).
+  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(lfd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(lfd, 1), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  std::atomic<bool> stop{false};
+  std::thread t([lfd, &stop] {
+    const int c = ::accept(lfd, nullptr, nullptr);
+    char buf[72];
+    std::size_t got = 0;
+    while (got < sizeof buf) {
+      const ssize_t n = ::recv(c, buf + got, sizeof buf - got, 0);
+      if (n <= 0) break;
+      got += static_cast<std::size_t>(n);
+    }
+    for (int i = 0; i < 64 && !stop; ++i) {
+      const char b = i == 0 ? 'P' : 'p';
+      if (::send(c, &b, 1, MSG_NOSIGNAL) != 1) break;
+      std::this_thread::sleep_for(100ms);
+    }
+    ::close(c);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run_probe("127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 1, 10ms, 500ms);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  stop = true;
+  t.join();
+  ::close(lfd);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kTimeout) << r.error().to_string();
+  // A bound, not a timing: trickled to the end it would take 6.4 s.
+  EXPECT_LT(took, 4s);
+}
+
+TEST(Probe, ABusySinkIsNamedAsTheLikelyCause) {
+  auto sink = ProbeSink::listen("127.0.0.1:0");
+  ASSERT_TRUE(sink) << sink.error().to_string();
+  // An idle client holds the sink (it serves one at a time).
+  const std::string addr = (*sink)->address();
+  const int idle = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<std::uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1))));
+  ASSERT_EQ(::connect(idle, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  std::thread t([&] { (void)(*sink)->serve(2); });
+  auto r = run_probe(addr, 1, 10ms, 300ms);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kTimeout) << r.error().to_string();
+  EXPECT_NE(r.error().message().find("serves one client at a time"), std::string::npos)
+      << r.error().message();
+  ::close(idle);  // the sink drops it, then takes the probe's (closed) connection
+  t.join();
 }
 
 TEST(ProbeSink, RefusesAnAddressItCannotBind) {
