@@ -534,6 +534,15 @@ Result<CheckpointDirLock> lock_checkpoint_dir(const std::filesystem::path& dir,
   CheckpointDirLock lock(fd);
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
+    if (err == ENOLCK || err == ENOSYS || err == EOPNOTSUPP || err == EINVAL) {
+      // A file system without flock (NFSv3 without lockd, Lustre without
+      // -o flock, some FUSE mounts): checkpoints work as before, unguarded.
+      log::logger("checkpoint")->warn(
+          "checkpoint_dir '{}' does not support flock ({}): a second server with server_index {} "
+          "on it would not be detected; give each job its own checkpoint_dir",
+          dir.string(), std::strerror(err), server_index);
+      return CheckpointDirLock();
+    }
     if (err != EWOULDBLOCK) {
       return make_sys_error(err, "cannot lock '{}'", path.string());
     }
@@ -547,11 +556,13 @@ Result<CheckpointDirLock> lock_checkpoint_dir(const std::filesystem::path& dir,
                       dir.string(), server_index,
                       owner.empty() ? std::string() : fmt::format(" (pid {})", owner));
   }
-  // The owner's pid, for the message above (advisory: the flock decides).
+  // The owner's pid, for the message above: informational (the flock
+  // decides), so a full file system only leaves it out.
   const std::string pid = fmt::format("{}\n", ::getpid());
   if (::ftruncate(fd, 0) != 0 ||
       ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
-    return make_sys_error(errno, "cannot write the lock file '{}'", path.string());
+    log::logger("checkpoint")->warn("could not write this server's pid into the lock file '{}'",
+                                path.string());
   }
   return lock;
 }

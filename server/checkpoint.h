@@ -147,7 +147,10 @@ class CheckpointDirLock {
 };
 
 // Takes the lock of `server_index` in the existing directory `dir` without
-// waiting. Blocks on file I/O only. Errors: kUnavailable when another
+// waiting. Blocks on file I/O only. On a file system without flock (ENOLCK,
+// ENOSYS, EOPNOTSUPP, EINVAL) it logs a warning and returns a lock that is
+// not held(): checkpoints work, a second server is not detected. Errors:
+// kUnavailable when another
 // process holds it ("checkpoint_dir '<dir>' is in use by another
 // ember-server with server_index 0 (pid 1234): give each job its own
 // checkpoint_dir, or stop that server first"); kIo naming the lock file and

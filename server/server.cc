@@ -1358,7 +1358,8 @@ Result<std::uint64_t> Server::Impl::write_checkpoint_now(bool shards_running) {
       default: break;
     }
     if (!hint.empty()) {
-      err = Error(err.code(), fmt::format("{}; {}", err.message(), hint), err.sys_errno());
+      // After the cause (to_string puts the errno text last).
+      err = Error(err.code(), fmt::format("{}{}; {}", err.message(), err.cause(), hint));
     }
     log->error("checkpoint {} failed: {}", data.sequence, err.to_string());
     return tl::unexpected(err);

@@ -58,14 +58,18 @@ void pass(const char* name) {
   }
   struct Done {  // also when the callback throws
     Registry& r;
+    std::shared_ptr<std::function<void()>>& callback;
     ~Done() {
+      // Its captures die before clear_all() can return (this may be the
+      // last reference once clear_all() emptied the map).
+      callback.reset();
       {
         std::lock_guard lock(r.mutex);
         --r.running;
       }
       r.idle.notify_all();
     }
-  } done{r};
+  } done{r, callback};
   (*callback)();
 }
 

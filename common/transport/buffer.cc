@@ -1,5 +1,5 @@
-// Buffer::heap: the fallback allocation for received large messages when no
-// pool-backed receive allocator is configured, and a convenience for tests.
+// Buffer::heap and heap_for_receive: the fallback allocations for received
+// large messages (no pool, or above its largest block) and for rare copies.
 #include "common/transport/buffer.h"
 
 #include <sys/mman.h>
@@ -40,7 +40,7 @@ struct MappingOwner {
   }
 };
 
-// From this size up heap() maps memory the kernel zeroes lazily.
+// From this size up heap_for_receive() maps memory the kernel zeroes lazily.
 constexpr std::size_t kLazyZeroBytes = std::size_t{1} << 20;
 
 }  // namespace
@@ -48,19 +48,22 @@ constexpr std::size_t kLazyZeroBytes = std::size_t{1} << 20;
 Buffer Buffer::heap(std::size_t size_bytes) {
   // aligned_alloc needs a size that is a multiple of the alignment.
   const std::size_t rounded = (size_bytes + kSmallPageBytes - 1) / kSmallPageBytes * kSmallPageBytes;
-  if (rounded >= kLazyZeroBytes) {
-    // Zero pages on first touch (no memset: that would make all of it
-    // resident before a byte arrived).
-    void* memory = ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (memory == MAP_FAILED) throw std::bad_alloc();
-    return adopt(std::span<std::byte>(static_cast<std::byte*>(memory), size_bytes), MemoryLocation{},
-                 MappingOwner(memory, rounded));
-  }
   void* memory = std::aligned_alloc(kSmallPageBytes, rounded == 0 ? kSmallPageBytes : rounded);
   if (memory == nullptr) throw std::bad_alloc();
   std::memset(memory, 0, size_bytes);
   return adopt(std::span<std::byte>(static_cast<std::byte*>(memory), size_bytes), MemoryLocation{},
                HeapOwner(memory));
+}
+
+Buffer Buffer::heap_for_receive(std::size_t size_bytes) {
+  if (size_bytes < kLazyZeroBytes) return heap(size_bytes);
+  const std::size_t rounded = (size_bytes + kSmallPageBytes - 1) / kSmallPageBytes * kSmallPageBytes;
+  // Zero pages on first touch (no memset: that would make all of it
+  // resident before a byte arrived).
+  void* memory = ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (memory == MAP_FAILED) throw std::bad_alloc();
+  return adopt(std::span<std::byte>(static_cast<std::byte*>(memory), size_bytes), MemoryLocation{},
+               MappingOwner(memory, rounded));
 }
 
 }  // namespace ember::transport

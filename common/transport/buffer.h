@@ -99,13 +99,16 @@ class Buffer {
   }
 
   // `size_bytes` of zero-initialised heap memory, 4 KiB aligned, no fd.
-  // The fallback receive allocator and a convenience for tests; the hot path
-  // uses pool blocks. Allocates; throws std::bad_alloc like operator new.
-  // From 1 MiB up the memory is an anonymous mapping whose pages the kernel
-  // zeroes when first touched: a body is resident only as far as its bytes
-  // arrived, so a peer that declares a large message and sends little of it
-  // costs address space, not memory.
+  // A convenience for tests and rare send paths (a copy of a caller's
+  // bytes); the hot path uses pool blocks. Allocates; throws std::bad_alloc
+  // like operator new.
   static Buffer heap(std::size_t size_bytes);
+  // heap() for a received message's body (the fallback receive allocator):
+  // from 1 MiB up an anonymous mapping whose pages the kernel zeroes when
+  // first touched, so a body is resident only as far as its bytes arrived.
+  // A peer that declares a large message and sends little of it costs
+  // address space, not memory. Below 1 MiB the same as heap().
+  static Buffer heap_for_receive(std::size_t size_bytes);
 
   std::byte* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }

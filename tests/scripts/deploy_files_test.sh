@@ -48,10 +48,13 @@ open(sys.argv[2] + "/k8s-worker.cmd", "w").write(" ".join(job["spec"]["template"
 assert job["spec"]["completionMode"] == "Indexed", "workers take their rank from the completion index"
 replicas = sts["spec"]["replicas"]
 servers = [l for l in cm["data"]["ember.toml"].splitlines() if l.startswith("servers")]
-# The servers' hugepages hold the page pool: prealloc_pages x 2 MiB.
+# The servers' hugepages hold the page pool: prealloc_pages (set on the
+# servers' command line, not in the ConfigMap the workers share) x 2 MiB.
 import re
-pages = re.search(r"^prealloc_pages\s*=\s*(\d+)", cm["data"]["ember.toml"], re.M)
-assert pages, "the ConfigMap does not set prealloc_pages (the hugepages request is sized from it)"
+pages = re.search(r"--set communication\.prealloc_pages=(\d+)", cmd)
+assert pages, "the servers' command does not set prealloc_pages (the hugepages request is sized from it)"
+assert not re.search(r"^prealloc_pages", cm["data"]["ember.toml"], re.M), \
+    "prealloc_pages in the ConfigMap would size the workers' pools too"
 res = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
 for side in ("requests", "limits"):
     assert res[side]["hugepages-2Mi"] == f"{int(pages.group(1)) * 2}Mi", \

@@ -40,6 +40,12 @@ set +e
 set -e
 [[ $rc == 2 ]] && grep -q "10Gbit" "$tmp/err" || fail "tune with a bad bandwidth unit: rc=$rc"
 
+# A timeout under 1 ms would become 0 ms, which sockets read as no timeout.
+set +e
+"$ctl" tune --probe 127.0.0.1:1 --workers 2 --avg-message-size 4KB --timeout 500us >/dev/null 2>"$tmp/err"; rc=$?
+set -e
+[[ $rc == 2 ]] && grep -q -- "--timeout must be at least 1ms" "$tmp/err" \
+  || fail "tune --timeout 500us: rc=$rc $(cat "$tmp/err")"
 # A missing argument is reported before a probe runs (exit 2, not the probe's
 # failure against a port where nothing listens).
 set +e

@@ -59,8 +59,13 @@ int usage_error(const std::string& text) {
 
 Result<std::chrono::milliseconds> parse_timeout(const std::string& text) {
   EMBER_ASSIGN_OR_RETURN(const auto d, parse_duration(text));
-  if (d.count() <= 0) return make_error(ErrorCode::kInvalidArgument, "--timeout must be > 0");
-  return std::chrono::duration_cast<std::chrono::milliseconds>(d);
+  if (d < std::chrono::milliseconds(1)) {
+    // Sockets take it in whole milliseconds here, and a zero SO_RCVTIMEO
+    // would mean no timeout at all.
+    return make_error(ErrorCode::kInvalidArgument, "--timeout must be at least 1ms, got \"{}\"",
+                      text);
+  }
+  return std::chrono::ceil<std::chrono::milliseconds>(d);
 }
 
 Result<Exposition> scrape(const std::string& address, std::chrono::milliseconds timeout) {

@@ -37,9 +37,10 @@ struct ProbeResult {
 // Measures against the sink at host_port. Blocks for the pings (pings x
 // RTT), the 4 MiB warm-up and a bulk transfer sized to last `duration` at
 // the warm-up's rate (it often ends sooner: the warm-up includes TCP's slow
-// start, so its rate is low). `timeout` bounds each operation as a whole:
-// a ping's round trip, the wait for a bulk transfer's acknowledgement after
-// its last byte, each send (a peer trickling bytes cannot stretch them).
+// start, so its rate is low). `timeout` (>= 1 ms) bounds a ping's round
+// trip and the wait for a bulk transfer's acknowledgement after its last
+// byte as a whole (a peer trickling bytes cannot stretch them), and each
+// send() call on its own.
 // Errors: kInvalidArgument (address, pings < 1, duration <= 0), kIo
 // (connect, send, receive; naming the address), kTimeout, kProtocol (the
 // peer is not a probe sink).

@@ -548,7 +548,9 @@ TEST(WorkerResend, ASenderStalledAcrossAReconnectStillGoesAfterTheReSends) {
   sync_point::set("Worker::send:before_connection", [&] {
     if (!t_marked_thread || b_stalled_once.exchange(true)) return;
     b_stalled.set_value();
-    b_go_now.wait();
+    // Bounded: if the re-sender never gets to its burst, B goes on (and
+    // the test fails on its checks, not on a hang).
+    (void)b_go_now.wait_for(60s);
   });
   sync_point::set("Worker::wait_for_resends", [&] {
     if (!t_marked_thread || b_waited.exchange(true)) return;
@@ -570,7 +572,7 @@ TEST(WorkerResend, ASenderStalledAcrossAReconnectStillGoesAfterTheReSends) {
   proxy->hold_requests();
   Handle a = w->push(kKey, g, 0);
   std::optional<Result<std::uint64_t>> b_result;
-  std::thread b([&] {
+  std::jthread b([&] {  // joined on every return
     t_marked_thread = true;
     b_result = w->push(kKey, g, 1).wait();
   });
