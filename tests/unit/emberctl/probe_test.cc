@@ -16,6 +16,22 @@ namespace {
 
 using namespace std::chrono_literals;
 
+// A listening TCP socket on 127.0.0.1 (any free port, in `a`); -1 on failure.
+int loopback_listener(sockaddr_in& a) {
+  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (lfd < 0) return -1;
+  a = sockaddr_in{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(lfd, 1) != 0 ||
+      ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(lfd);
+    return -1;
+  }
+  return lfd;
+}
+
 TEST(Probe, MeasuresRttAndBandwidthAgainstTheSink) {
   auto sink = ProbeSink::listen("127.0.0.1:0");
   ASSERT_TRUE(sink) << sink.error().to_string();
@@ -48,15 +64,9 @@ TEST(Probe, RefusesBadArgumentsAndMissingSink) {
 
 TEST(Probe, PeerThatIsNotASinkIsAProtocolOrTimeoutError) {
   // A plain TCP listener that accepts and answers the magic with junk.
-  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(lfd, 0);
   sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(lfd, 1), 0);
-  socklen_t len = sizeof a;
-  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int lfd = loopback_listener(a);
+  ASSERT_GE(lfd, 0);
   std::thread t([lfd] {
     const int c = ::accept(lfd, nullptr, nullptr);
     char buf[72];
@@ -82,15 +92,9 @@ TEST(Probe, APeerTricklingItsAnswerCannotStretchTheTimeout) {
   // Accepts, reads the hello and a ping, then answers one byte every 100 ms:
   // each recv() gets a byte well within the timeout, the ping's round trip
   // does not (64 bytes would take 6.4 s).
-  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(lfd, 0);
   sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(lfd, 1), 0);
-  socklen_t len = sizeof a;
-  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int lfd = loopback_listener(a);
+  ASSERT_GE(lfd, 0);
   std::atomic<bool> stop{false};
   std::thread t([lfd, &stop] {
     const int c = ::accept(lfd, nullptr, nullptr);
