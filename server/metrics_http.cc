@@ -112,6 +112,16 @@ struct MetricsHttp::Impl {
 MetricsHttp::MetricsHttp(std::unique_ptr<Impl> impl, std::string address)
     : impl_(std::move(impl)), address_(std::move(address)) {}
 
+Result<tcp::endpoint> MetricsHttp::resolve(const std::string& host, std::uint16_t port) {
+  auto resolved = transport::tcp::resolve_endpoint(config::HostPort{host, port}.to_string());
+  if (!resolved) {
+    Error err = std::move(resolved).error();
+    err.with_context("[server] metrics_listen");
+    return tl::unexpected(std::move(err));
+  }
+  return *resolved;
+}
+
 Result<std::unique_ptr<MetricsHttp>> MetricsHttp::start(
     const std::string& host, std::uint16_t port, const metrics::Registry& registry,
     std::function<void()> refresh, std::function<Result<std::string>()> checkpoint) {
@@ -120,14 +130,7 @@ Result<std::unique_ptr<MetricsHttp>> MetricsHttp::start(
   impl->refresh = std::move(refresh);
   impl->checkpoint = std::move(checkpoint);
   beast::error_code ec;
-  // A host name resolves as for [server] listen (--check-config checks both).
-  auto resolved = transport::tcp::resolve_endpoint(config::HostPort{host, port}.to_string());
-  if (!resolved) {
-    Error err = std::move(resolved).error();
-    err.with_context("[server] metrics_listen");
-    return tl::unexpected(std::move(err));
-  }
-  const tcp::endpoint endpoint = *resolved;
+  EMBER_ASSIGN_OR_RETURN(const tcp::endpoint endpoint, resolve(host, port));
   impl->acceptor.open(endpoint.protocol(), ec);
   if (!ec) impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
   if (!ec) impl->acceptor.bind(endpoint, ec);

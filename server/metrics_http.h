@@ -13,9 +13,12 @@
 // the endpoint's thread and must be thread-safe with the rest of the program.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+
+#include <boost/asio/ip/tcp.hpp>
 
 #include "common/base/error.h"
 #include "common/metrics/metrics.h"
@@ -24,8 +27,14 @@ namespace ember::server {
 
 class MetricsHttp {
  public:
+  // The endpoint start() binds for "host:port": a host name resolves as for
+  // [server] listen (`ember-server --check-config` calls this too). Blocks
+  // on the system resolver. Errors: kInvalidArgument, kNotFound (from
+  // transport::tcp::resolve_endpoint), with "[server] metrics_listen" as
+  // context.
+  static Result<boost::asio::ip::tcp::endpoint> resolve(const std::string& host, std::uint16_t port);
   // Binds "host:port" (port 0: any free port) and starts serving. Errors:
-  // kInvalidArgument (address), kIo (bind/listen).
+  // those of resolve(), kIo (bind/listen).
   // `checkpoint` (optional) runs on the endpoint's thread for POST
   // /checkpoint and may block until the checkpoint is durable.
   static Result<std::unique_ptr<MetricsHttp>> start(

@@ -1517,13 +1517,8 @@ Server::~Server() {
 
 Status check_listen_address(const config::Config& config) {
   if (const auto& metrics = config.server.metrics_listen) {
-    // Resolved as MetricsHttp::start resolves it, whatever the transport.
-    auto resolved = transport::tcp::resolve_endpoint(metrics->to_string());
-    if (!resolved) {
-      Error err = std::move(resolved).error();
-      err.with_context("[server] metrics_listen");
-      return tl::unexpected(std::move(err));
-    }
+    // Resolved as the endpoint resolves it at start, whatever the transport.
+    EMBER_TRY(MetricsHttp::resolve(metrics->host, metrics->port));
   }
   if (config.communication.transport != config::Transport::kTcp) return ok_status();
   const std::string address =

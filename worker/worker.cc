@@ -240,6 +240,14 @@ struct Outgoing {
   std::uint64_t resend_gen = 0;
 };
 
+// Issue (request id) order, so that per key a re-sent step never overtakes
+// an earlier one.
+void sort_in_issue_order(std::vector<PendingReq>& requests) {
+  std::sort(requests.begin(), requests.end(), [](const PendingReq& a, const PendingReq& b) {
+    return a.header.request_id < b.header.request_id;
+  });
+}
+
 // Requests of one lost connection, handed to the link's re-sender thread.
 // The re-sender merges every job queued when it takes one (resend_loop).
 struct ResendJob {
@@ -1194,10 +1202,7 @@ void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Erro
   log->warn("connection to server {} ({}) closed: {}; reconnecting to re-send {} request(s) "
             "([worker] resend_attempts = {})",
             server, link.address, reason.to_string(), job.requests.size(), max_resends);
-  // Issue order, so that per key a re-sent step never overtakes an earlier one.
-  std::sort(job.requests.begin(), job.requests.end(), [](const PendingReq& a, const PendingReq& b) {
-    return a.header.request_id < b.header.request_id;
-  });
+  sort_in_issue_order(job.requests);
   job.gen = gen;
   job.reason = reason;
   queue_resend(link, std::move(job));
@@ -1280,18 +1285,13 @@ void Worker::Impl::resend_loop(ServerLink& link) {
       // of a burst that its connection lost under it (handed back by send())
       // go after the older ones that loss's on_closed queued, whichever
       // queue_resend came first. The first job's loss is the one reported.
-      bool merged = false;
-      while (!link.resend_jobs.empty()) {
-        for (auto& r : link.resend_jobs.front().requests) job.requests.push_back(std::move(r));
-        link.resend_jobs.pop_front();
-        link.resends_queued.fetch_sub(1, std::memory_order_release);  // this job's count stays
-        merged = true;
-      }
-      if (merged) {
-        std::sort(job.requests.begin(), job.requests.end(),
-                  [](const PendingReq& a, const PendingReq& b) {
-                    return a.header.request_id < b.header.request_id;
-                  });
+      if (!link.resend_jobs.empty()) {
+        for (ResendJob& later : link.resend_jobs) {
+          for (auto& r : later.requests) job.requests.push_back(std::move(r));
+          link.resends_queued.fetch_sub(1, std::memory_order_release);  // this job's count stays
+        }
+        link.resend_jobs.clear();
+        sort_in_issue_order(job.requests);
       }
     }
     run_resend(link, std::move(job));

@@ -81,20 +81,16 @@ transport::Buffer allocate_buffer(memory::PagePool& pool, std::uint64_t bytes,
     }
   }
   if (fell_back != nullptr) *fell_back = true;
-  return transport::Buffer::heap(static_cast<std::size_t>(bytes));
+  // Written next (a received body, a copy): resident only as far as it is
+  // (a peer may declare a large message and send little of it).
+  return transport::Buffer::heap_lazy(static_cast<std::size_t>(bytes));
 }
 
 transport::ReceiveAllocator pool_receive_allocator(memory::PagePool& pool, std::uint32_t region_id) {
   return [&pool, region_id](std::uint64_t size_bytes) -> Result<transport::Buffer> {
-    if (size_bytes <= memory::kMaxBlockBytes) {
-      if (auto block = pool.allocate(static_cast<std::size_t>(size_bytes))) {
-        return pool_buffer(pool, *block, region_id);
-      }
-    }
-    // Resident only as its bytes arrive (a peer may declare a large message
-    // and send little of it).
-    transport::Buffer b = transport::Buffer::heap_for_receive(static_cast<std::size_t>(size_bytes));
-    if (size_bytes <= memory::kMaxBlockBytes) {
+    bool fell_back = false;
+    transport::Buffer b = allocate_buffer(pool, size_bytes, region_id, &fell_back);
+    if (fell_back && size_bytes <= memory::kMaxBlockBytes) {
       static std::atomic<bool> warned{false};
       if (!warned.exchange(true)) {
         log::logger("pool")->warn(

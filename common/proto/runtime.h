@@ -39,7 +39,7 @@ namespace ember::proto {
 transport::Buffer pool_buffer(memory::PagePool& pool, memory::Block block,
                               std::uint32_t region_id = transport::MemoryLocation::kNoRegion);
 
-// A block of `bytes` as a Buffer; falls back to an aligned heap Buffer when
+// A block of `bytes` as a Buffer; falls back to Buffer::heap_lazy when
 // `bytes` exceeds the largest block class (64 MiB) or the pool is exhausted
 // (`fell_back`, when non-null, is set then). Errors: none from the pool path
 // (the heap path throws std::bad_alloc only when memory is truly gone).

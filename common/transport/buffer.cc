@@ -1,5 +1,5 @@
-// Buffer::heap and heap_for_receive: the fallback allocations for received
-// large messages (no pool, or above its largest block) and for rare copies.
+// Buffer::heap and heap_lazy: the fallback allocations for received large
+// messages and copies (no pool, or above its largest block), and for tests.
 #include "common/transport/buffer.h"
 
 #include <sys/mman.h>
@@ -40,7 +40,7 @@ struct MappingOwner {
   }
 };
 
-// From this size up heap_for_receive() maps memory the kernel zeroes lazily.
+// From this size up heap_lazy() maps memory the kernel zeroes lazily.
 constexpr std::size_t kLazyZeroBytes = std::size_t{1} << 20;
 
 }  // namespace
@@ -55,7 +55,7 @@ Buffer Buffer::heap(std::size_t size_bytes) {
                HeapOwner(memory));
 }
 
-Buffer Buffer::heap_for_receive(std::size_t size_bytes) {
+Buffer Buffer::heap_lazy(std::size_t size_bytes) {
   if (size_bytes < kLazyZeroBytes) return heap(size_bytes);
   const std::size_t rounded = (size_bytes + kSmallPageBytes - 1) / kSmallPageBytes * kSmallPageBytes;
   // Zero pages on first touch (no memset: that would make all of it

@@ -103,12 +103,13 @@ class Buffer {
   // bytes); the hot path uses pool blocks. Allocates; throws std::bad_alloc
   // like operator new.
   static Buffer heap(std::size_t size_bytes);
-  // heap() for a received message's body (the fallback receive allocator):
-  // from 1 MiB up an anonymous mapping whose pages the kernel zeroes when
-  // first touched, so a body is resident only as far as its bytes arrived.
-  // A peer that declares a large message and sends little of it costs
-  // address space, not memory. Below 1 MiB the same as heap().
-  static Buffer heap_for_receive(std::size_t size_bytes);
+  // heap() for memory about to be written (a received message's body, a
+  // copy of a payload): from 1 MiB up an anonymous mapping whose pages the
+  // kernel zeroes when first touched, with no memset, so it is resident
+  // only as far as it was written. A peer that declares a large message and
+  // sends little of it costs address space, not memory. Below 1 MiB the
+  // same as heap().
+  static Buffer heap_lazy(std::size_t size_bytes);
 
   std::byte* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }

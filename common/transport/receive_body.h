@@ -23,7 +23,7 @@ class ReceiveBodies final : public wire::BodyAllocator {
                                              std::size_t body_bytes) override {
     (void)info;
     Result<Buffer> buffer = (allocate_ != nullptr && *allocate_) ? (*allocate_)(body_bytes)
-                                                                 : Result<Buffer>(Buffer::heap_for_receive(body_bytes));
+                                                                 : Result<Buffer>(Buffer::heap_lazy(body_bytes));
     if (!buffer) {
       Error e = std::move(buffer).error();
       e.with_context(fmt::format("while allocating {} bytes for a received large message", body_bytes));

@@ -1023,7 +1023,7 @@ bool Channel::on_batch(std::span<const std::byte> body) {
 
 Result<Buffer> Channel::allocate_receive(std::uint64_t size_bytes) {
   const ReceiveAllocator& alloc = core_.options.receive_allocator;
-  Result<Buffer> b = alloc ? alloc(size_bytes) : Result<Buffer>(Buffer::heap_for_receive(size_bytes));
+  Result<Buffer> b = alloc ? alloc(size_bytes) : Result<Buffer>(Buffer::heap_lazy(size_bytes));
   if (!b) {
     Error e = std::move(b).error();
     e.with_context(fmt::format("while allocating {} bytes for a received large message", size_bytes));

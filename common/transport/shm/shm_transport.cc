@@ -1760,7 +1760,7 @@ bool Channel::poll_rx() {
         }
         if (h.offset == 0) {
           Result<Buffer> b = options_.receive_allocator ? options_.receive_allocator(h.length)
-                                                        : Result<Buffer>(Buffer::heap_for_receive(h.length));
+                                                        : Result<Buffer>(Buffer::heap_lazy(h.length));
           if (!b) {
             conn_->fail(b.error());
             return false;

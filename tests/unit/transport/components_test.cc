@@ -275,15 +275,15 @@ std::size_t resident_bytes() {
   return resident_pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
 }
 
-// Buffer::heap_for_receive is what a received large message falls back to
-// (above the pool's largest block, or with the pool exhausted): a peer that
+// Buffer::heap_lazy is what a received large message falls back to (above
+// the pool's largest block, or with the pool exhausted): a peer that
 // declares a 256 MiB message and sends little of it must not make 256 MiB
 // resident.
 TEST(Buffer, LargeHeapBufferIsResidentOnlyWhereWritten) {
   constexpr std::size_t kBytes = std::size_t{256} << 20;
   constexpr std::size_t kWritten = std::size_t{32} << 20;
   const std::size_t before = resident_bytes();
-  Buffer b = Buffer::heap_for_receive(kBytes);
+  Buffer b = Buffer::heap_lazy(kBytes);
   ASSERT_EQ(b.size(), kBytes);
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data()) % 4096, 0u);
   const std::size_t allocated = resident_bytes();
@@ -293,7 +293,7 @@ TEST(Buffer, LargeHeapBufferIsResidentOnlyWhereWritten) {
   // Zero-initialised where nothing was written.
   for (std::size_t at : {kWritten, kBytes / 2, kBytes - 1}) EXPECT_EQ(b.data()[at], std::byte{0}) << at;
   EXPECT_EQ(b.data()[kWritten - 1], std::byte{0x5a});
-  Buffer small = Buffer::heap_for_receive(5000);  // below the mapping size: zeroed the same
+  Buffer small = Buffer::heap_lazy(5000);  // below the mapping size: zeroed the same
   for (std::size_t i = 0; i < small.size(); ++i) ASSERT_EQ(small.data()[i], std::byte{0}) << i;
 }
 
