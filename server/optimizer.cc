@@ -39,13 +39,12 @@ Result<Optimizer> Optimizer::create(const config::OptimizerConfig& c) {
                       "optimizer.beta1 and beta2 must be in [0, 1) (got {} and {})", c.beta1,
                       c.beta2);
   }
-  if (!std::isfinite(c.epsilon) || c.epsilon <= 0.0) {
-    return make_error(ErrorCode::kInvalidArgument, "optimizer.epsilon must be > 0 (got {})",
-                      c.epsilon);
+  if (const double eps = c.epsilon_or_default(); !std::isfinite(eps) || eps <= 0.0) {
+    return make_error(ErrorCode::kInvalidArgument, "optimizer.epsilon must be > 0 (got {})", eps);
   }
-  if (!finite_nonneg(c.weight_decay)) {
+  if (!finite_nonneg(c.weight_decay_or_default())) {
     return make_error(ErrorCode::kInvalidArgument, "optimizer.weight_decay must be >= 0 (got {})",
-                      c.weight_decay);
+                      c.weight_decay_or_default());
   }
   if (!finite_nonneg(c.initial_accumulator)) {
     return make_error(ErrorCode::kInvalidArgument,
@@ -128,11 +127,11 @@ void update(const config::OptimizerConfig& opt, float* p, std::size_t n, Gradien
             OptimizerState& state) {
   const std::uint64_t t = ++state.num_updates;
   const float lr = static_cast<float>(opt.learning_rate);
-  const float wd = static_cast<float>(opt.weight_decay);
+  const float wd = static_cast<float>(opt.weight_decay_or_default());
 
   switch (opt.type) {
     case config::OptimizerType::kSgd:
-      if (opt.weight_decay == 0.0) {
+      if (opt.weight_decay_or_default() == 0.0) {
         // Same result as below (g + 0 * p == g for finite p), one load less.
         for (std::size_t i = 0; i < n; ++i) p[i] -= lr * g[i];
         return;
@@ -168,8 +167,8 @@ void update(const config::OptimizerConfig& opt, float* p, std::size_t n, Gradien
       const double bc2 = 1.0 - std::pow(opt.beta2, static_cast<double>(t));
       const float step_size = static_cast<float>(opt.learning_rate / bc1);
       const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-      const float eps = static_cast<float>(opt.epsilon);
-      const float decay = static_cast<float>(1.0 - opt.learning_rate * opt.weight_decay);
+      const float eps = static_cast<float>(opt.epsilon_or_default());
+      const float decay = static_cast<float>(1.0 - opt.learning_rate * opt.weight_decay_or_default());
       float* m = state.slots[0].data();
       float* v = state.slots[1].data();
       for (std::size_t i = 0; i < n; ++i) {
@@ -188,7 +187,7 @@ void update(const config::OptimizerConfig& opt, float* p, std::size_t n, Gradien
     }
 
     case config::OptimizerType::kAdagrad: {
-      const float eps = static_cast<float>(opt.epsilon);
+      const float eps = static_cast<float>(opt.epsilon_or_default());
       float* s = state.slots[0].data();
       for (std::size_t i = 0; i < n; ++i) {
         const float gi = g[i] + wd * p[i];

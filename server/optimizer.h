@@ -20,7 +20,15 @@
 // float32, while the bias corrections (1 - b^t) and the Adam step size are
 // computed in double and rounded once. Adagrad's accumulator starts at
 // `initial_accumulator` (PyTorch's initial_accumulator_value), Adam's moments
-// at 0.
+// at 0. Defaults are PyTorch's per type: eps 1e-10 for adagrad and 1e-8 for
+// adam/adamw, weight decay 0.01 for adamw and 0 otherwise, initial_accumulator
+// 0 (config::OptimizerConfig::epsilon_or_default, weight_decay_or_default).
+// Under asp and ssp every push is an update of its own, so t counts pushes.
+// The operations are done in the order written, without fused multiply-adds
+// (-ffp-contract=off, server/CMakeLists.txt): Debug and Release servers give
+// the same bits. The order of Adam's last line differs from PyTorch's
+// (addcdiv of -step * m by the denominator), so after t = 1 the results may
+// differ from PyTorch's in the last bits, not in accuracy.
 //
 // Thread-safety: an Optimizer is immutable except set_learning_rate(); each
 // shard thread owns its own copy. apply() does not allocate.

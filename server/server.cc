@@ -1543,7 +1543,7 @@ std::array<double, 7> optimizer_numbers(const config::OptimizerConfig& o) {
   const bool adagrad = o.type == T::kAdagrad;
   return {used(true, o.learning_rate),     used(momentum, o.momentum),
           used(adam, o.beta1),             used(adam, o.beta2),
-          used(adam || adagrad, o.epsilon), used(true, o.weight_decay),
+          used(adam || adagrad, o.epsilon_or_default()), used(true, o.weight_decay_or_default()),
           used(adagrad, o.initial_accumulator)};
 }
 

@@ -264,12 +264,28 @@ struct OptimizerConfig {
   // beta1, beta2: Adam/AdamW moment decay rates; 0 <= beta < 1.
   double beta1 = 0.9;
   double beta2 = 0.999;
-  // epsilon: Adam/AdamW/Adagrad denominator term; > 0.
-  double epsilon = 1e-8;
+  // epsilon: Adam/AdamW/Adagrad denominator term; > 0. Unset ("auto" in
+  // TOML): the default of the type's PyTorch optimizer, see epsilon_or_default().
+  std::optional<double> epsilon;
   // weight_decay: L2 (sgd, momentum, adam, adagrad) or decoupled (adamw); >= 0.
-  double weight_decay = 0.0;
-  // initial_accumulator: Adagrad's starting accumulator value; >= 0.
-  double initial_accumulator = 0.1;
+  // Unset ("auto"): PyTorch's default of the type, see weight_decay_or_default().
+  std::optional<double> weight_decay;
+  // initial_accumulator: Adagrad's starting accumulator value; >= 0
+  // (PyTorch's initial_accumulator_value, whose default is 0 too).
+  double initial_accumulator = 0.0;
+
+  // The epsilon the optimizer uses: `epsilon` if set, else 1e-10 for adagrad
+  // (torch.optim.Adagrad) and 1e-8 for the others (torch.optim.Adam, AdamW).
+  double epsilon_or_default() const noexcept {
+    if (epsilon) return *epsilon;
+    return type == OptimizerType::kAdagrad ? 1e-10 : 1e-8;
+  }
+  // The weight decay the optimizer uses: `weight_decay` if set, else 0.01 for
+  // adamw (torch.optim.AdamW) and 0 for the others.
+  double weight_decay_or_default() const noexcept {
+    if (weight_decay) return *weight_decay;
+    return type == OptimizerType::kAdamW ? 0.01 : 0.0;
+  }
 
   bool operator==(const OptimizerConfig&) const = default;
 };

@@ -252,6 +252,35 @@ Field double_field(std::string_view table, std::string_view key, std::string_vie
   return f;
 }
 
+// A double that may be left to a default chosen elsewhere: a number, or
+// "auto" (unset, printed as "auto").
+template <typename Sub>
+Field auto_double_field(std::string_view table, std::string_view key, std::string_view doc,
+                        Member<Sub, std::optional<double>> m, std::function<Problem(double)> in_range,
+                        std::string_view example) {
+  Field f{table, key, doc};
+  f.set = [=](Config& c, const toml::value& v) -> Problem {
+    double x = 0;
+    if (v.is_floating()) {
+      x = v.as_floating();
+    } else if (v.is_integer()) {
+      x = static_cast<double>(v.as_integer());
+    } else if (v.is_string() && v.as_string().str == "auto") {
+      m(c).reset();
+      return std::nullopt;
+    } else {
+      return fmt::format("must be a number or \"auto\", got {}; write e.g. {} = {}", describe(v),
+                         key, example);
+    }
+    if (auto p = in_range(x)) return p;
+    m(c) = x;
+    return std::nullopt;
+  };
+  f.check = [=](const Config& c) { return m(c) ? in_range(*m(c)) : Problem{}; };
+  f.print = [=](const Config& c) { return m(c) ? double_text(*m(c)) : quote("auto"); };
+  return f;
+}
+
 // Range rule for doubles: lo <= x (or lo < x), x < hi (or x <= hi), finite.
 std::function<Problem(double)> double_range(double lo, bool lo_open, double hi, bool hi_open,
                                             std::string_view hint) {
@@ -647,15 +676,19 @@ std::vector<Field> build_fields() {
   f.push_back(double_field("optimizer", "beta2", "0 <= beta2 < 1 (adam, adamw)",
                            optimizer(&OptimizerConfig::beta2),
                            double_range(0, false, 1, true, "use e.g. 0.999")));
-  f.push_back(double_field("optimizer", "epsilon", "> 0 (adam, adamw, adagrad)",
-                           optimizer(&OptimizerConfig::epsilon),
-                           double_range(0, true, inf, false, "use e.g. 1e-8")));
-  f.push_back(double_field("optimizer", "weight_decay", ">= 0 (adamw: decoupled; others: L2)",
-                           optimizer(&OptimizerConfig::weight_decay),
-                           double_range(0, false, inf, false, "use 0 (off) or e.g. 1e-4")));
+  f.push_back(auto_double_field(
+      "optimizer", "epsilon",
+      "> 0 (adam, adamw, adagrad); \"auto\": PyTorch's default, 1e-10 for adagrad, else 1e-8",
+      optimizer(&OptimizerConfig::epsilon),
+      double_range(0, true, inf, false, "use e.g. 1e-8, or \"auto\""), "1e-8"));
+  f.push_back(auto_double_field(
+      "optimizer", "weight_decay",
+      ">= 0 (adamw: decoupled; others: L2); \"auto\": PyTorch's default, 0.01 for adamw, else 0",
+      optimizer(&OptimizerConfig::weight_decay),
+      double_range(0, false, inf, false, "use 0 (off), e.g. 1e-4, or \"auto\""), "1e-4"));
   f.push_back(double_field("optimizer", "initial_accumulator", ">= 0 (adagrad)",
                            optimizer(&OptimizerConfig::initial_accumulator),
-                           double_range(0, false, inf, false, "use e.g. 0.1")));
+                           double_range(0, false, inf, false, "use 0 (PyTorch's default) or e.g. 0.1")));
   // [worker]
   f.push_back(uint_field("worker", "rank", "this worker's rank; < cluster.num_workers",
                          worker(&WorkerConfig::rank), 0, (1u << 20) - 1,

@@ -133,12 +133,18 @@ std::string describe_optimizer(const ember::config::OptimizerConfig& o) {
       break;
     case OptimizerType::kAdam:
     case OptimizerType::kAdamW:
-      s += fmt::format(" beta1={} beta2={} eps={}", o.beta1, o.beta2, o.epsilon);
+      s += fmt::format(" beta1={} beta2={} eps={}", o.beta1, o.beta2, o.epsilon_or_default());
+      break;
+    case OptimizerType::kAdagrad:
+      s += fmt::format(" eps={} initial_accumulator={}", o.epsilon_or_default(),
+                       o.initial_accumulator);
       break;
     default:
       break;
   }
-  if (o.weight_decay != 0.0) s += fmt::format(" weight_decay={}", o.weight_decay);
+  if (const double wd = o.weight_decay_or_default(); wd != 0.0) {
+    s += fmt::format(" weight_decay={}", wd);
+  }
   return s;
 }
 

@@ -745,8 +745,39 @@ TEST(ConfigToml, DefaultsRoundTrip) {
   EXPECT_THAT(text, HasSubstr("flush_interval = \"0s\""));
   EXPECT_THAT(text, HasSubstr("max_message_size = \"256MB\""));
   EXPECT_THAT(text, HasSubstr("servers = [\"127.0.0.1:7070\"]"));
-  EXPECT_THAT(text, HasSubstr("epsilon = 1e-08"));
-  EXPECT_THAT(text, HasSubstr("weight_decay = 0.0"));
+  EXPECT_THAT(text, HasSubstr("epsilon = \"auto\""));
+  EXPECT_THAT(text, HasSubstr("weight_decay = \"auto\""));
+  EXPECT_THAT(text, HasSubstr("initial_accumulator = 0.0"));
+}
+
+// epsilon and weight_decay take a number or "auto" (PyTorch's default of the
+// type, resolved by OptimizerConfig::*_or_default); anything else is refused
+// with both spellings named.
+TEST(ConfigToml, OptimizerAutoValues) {
+  auto c = parse_config("[optimizer]\ntype = \"adamw\"\nepsilon = \"auto\"\n", "cfg.toml");
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_FALSE(c->optimizer.epsilon.has_value());
+  EXPECT_FALSE(c->optimizer.weight_decay.has_value());
+  EXPECT_EQ(c->optimizer.weight_decay_or_default(), 0.01);
+  c = parse_config("[optimizer]\ntype = \"adagrad\"\nepsilon = 1e-6\nweight_decay = 0\n", "cfg.toml");
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->optimizer.epsilon, 1e-6);
+  EXPECT_EQ(c->optimizer.weight_decay, 0.0);
+  EXPECT_THAT(to_toml(*c), HasSubstr("weight_decay = 0.0"));
+
+  // An override back to "auto" after a file that set a number.
+  Config o = *c;
+  const std::vector<std::string> to_auto{"optimizer.epsilon=auto", "optimizer.weight_decay=\"auto\""};
+  ASSERT_TRUE(apply_overrides(o, to_auto));
+  EXPECT_FALSE(o.optimizer.epsilon.has_value());
+  EXPECT_FALSE(o.optimizer.weight_decay.has_value());
+  EXPECT_EQ(o.optimizer.epsilon_or_default(), 1e-10);
+
+  EXPECT_THAT(parse_error("[optimizer]\nepsilon = \"small\"\n"),
+              HasSubstr("cfg.toml:2: key 'optimizer.epsilon': must be a number or \"auto\", got "
+                        "string \"small\"; write e.g. epsilon = 1e-8"));
+  EXPECT_THAT(parse_error("[optimizer]\nweight_decay = true\n"),
+              HasSubstr("cfg.toml:2: key 'optimizer.weight_decay': must be a number or \"auto\""));
 }
 
 TEST(ConfigToml, EveryKnobRoundTrips) {

@@ -97,6 +97,88 @@ TEST(Optimizer, AdagradByHand) {
   EXPECT_NEAR(p[1], p2, 1e-6);
 }
 
+// Where eps goes is invisible with a tiny eps. With eps = 0.1 and beta2 = 0.5
+// PyTorch's Adam (eps added to sqrt(v) / sqrt(1 - b2^t)) differs by > 1e-4
+// from eps inside the square root (0.915485 at step 1) and from Kingma & Ba's
+// eps added before the bias correction (0.922048). Step 1 by hand: m = 0.05,
+// v = 0.125, step size 0.1 / 0.1 = 1, denominator sqrt(0.125) / sqrt(0.5) +
+// 0.1 = 0.6, p = 1 - 0.05 / 0.6. Steps 2 and 3: the same formula in double.
+TEST(Optimizer, AdamEpsilonIsAddedAfterTheBiasCorrection) {
+  auto c = make(OptimizerType::kAdam, 0.1);
+  c.beta1 = 0.9;
+  c.beta2 = 0.5;
+  c.epsilon = 0.1;
+  auto p = run(c, 1.0f, {0.5f, -0.25f, 1.0f});
+  EXPECT_NEAR(p[0], 0.916666667, 1e-6);
+  EXPECT_NEAR(p[1], 0.893458118, 1e-6);
+  EXPECT_NEAR(p[2], 0.844565315, 1e-6);
+}
+
+// As in PyTorch, a new learning rate scales the next steps only: the moments
+// and t carry on (a reset of either would give other values).
+TEST(Optimizer, AdamKeepsItsMomentsAcrossALearningRateChange) {
+  auto c = make(OptimizerType::kAdam, 0.1);
+  c.beta1 = 0.9;
+  c.beta2 = 0.5;
+  c.epsilon = 0.1;
+  auto opt = Optimizer::create(c);
+  ASSERT_TRUE(opt) << opt.error().to_string();
+  std::vector<float> p{1.0f};
+  OptimizerState s = opt->make_state(1);
+  for (const float g : {0.5f, -0.25f}) {
+    const float gv[] = {g};
+    opt->apply(p, gv, s);
+  }
+  ASSERT_TRUE(opt->set_learning_rate(0.01));
+  const float gv[] = {1.0f};
+  opt->apply(p, gv, s);
+  EXPECT_NEAR(p[0], 0.888568838, 1e-6);  // 0.893458118 - 0.1 * (0.893458118 - 0.844565315)
+}
+
+// Adagrad adds eps to sqrt(s), not inside: with s = 0 + 0.25 and eps = 0.5,
+// p = 1 - 0.1 * 0.5 / (0.5 + 0.5) = 0.95 (inside: 1 - 0.05 / sqrt(0.75)).
+TEST(Optimizer, AdagradEpsilonIsAddedToTheSquareRoot) {
+  auto c = make(OptimizerType::kAdagrad, 0.1);
+  c.initial_accumulator = 0.0;
+  c.epsilon = 0.5;
+  auto p = run(c, 1.0f, {0.5f});
+  EXPECT_NEAR(p[0], 0.95, 1e-7);
+}
+
+// The defaults of torch.optim: Adagrad eps 1e-10 and initial_accumulator_value
+// 0, Adam and AdamW eps 1e-8, AdamW weight_decay 0.01, the others 0.
+TEST(Optimizer, UnsetHyperParametersTakePyTorchsDefaults) {
+  OptimizerConfig c;
+  EXPECT_EQ(c.initial_accumulator, 0.0);
+  c.type = OptimizerType::kAdagrad;
+  EXPECT_EQ(c.epsilon_or_default(), 1e-10);
+  EXPECT_EQ(c.weight_decay_or_default(), 0.0);
+  c.type = OptimizerType::kAdam;
+  EXPECT_EQ(c.epsilon_or_default(), 1e-8);
+  EXPECT_EQ(c.weight_decay_or_default(), 0.0);
+  c.type = OptimizerType::kAdamW;
+  EXPECT_EQ(c.epsilon_or_default(), 1e-8);
+  EXPECT_EQ(c.weight_decay_or_default(), 0.01);
+  c.weight_decay = 0.0;
+  EXPECT_EQ(c.weight_decay_or_default(), 0.0);
+  c.epsilon = 1e-3;
+  EXPECT_EQ(c.epsilon_or_default(), 1e-3);
+
+  // AdamW with its default decay and a zero gradient: m = v = 0, so only the
+  // decay moves p: 1 * (1 - 0.1 * 0.01).
+  OptimizerConfig w;
+  w.type = OptimizerType::kAdamW;
+  w.learning_rate = 0.1;
+  auto p = run(w, 1.0f, {0.0f});
+  EXPECT_FLOAT_EQ(p[0], 0.999f);
+  // Adagrad with its defaults: s = 0.25, p = 1 - 0.1 * 0.5 / (0.5 + 1e-10).
+  OptimizerConfig a;
+  a.type = OptimizerType::kAdagrad;
+  a.learning_rate = 0.1;
+  p = run(a, 1.0f, {0.5f});
+  EXPECT_FLOAT_EQ(p[0], 0.9f);
+}
+
 // Double-precision reference of optimizer.h's formulas.
 struct Reference {
   OptimizerConfig c;
@@ -105,7 +187,7 @@ struct Reference {
 
   void step(const std::vector<float>& grad) {
     ++t;
-    const double lr = c.learning_rate, wd = c.weight_decay;
+    const double lr = c.learning_rate, wd = c.weight_decay_or_default();
     for (std::size_t i = 0; i < p.size(); ++i) {
       double g = grad[i];
       switch (c.type) {
@@ -127,13 +209,13 @@ struct Reference {
           a[i] = c.beta1 * a[i] + (1 - c.beta1) * g;
           b[i] = c.beta2 * b[i] + (1 - c.beta2) * g * g;
           const double bc1 = 1 - std::pow(c.beta1, t), bc2 = 1 - std::pow(c.beta2, t);
-          p[i] -= lr / bc1 * a[i] / (std::sqrt(b[i]) / std::sqrt(bc2) + c.epsilon);
+          p[i] -= lr / bc1 * a[i] / (std::sqrt(b[i]) / std::sqrt(bc2) + c.epsilon_or_default());
           break;
         }
         case OptimizerType::kAdagrad:
           g += wd * p[i];
           a[i] += g * g;
-          p[i] -= lr * g / (std::sqrt(a[i]) + c.epsilon);
+          p[i] -= lr * g / (std::sqrt(a[i]) + c.epsilon_or_default());
           break;
       }
     }
