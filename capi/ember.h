@@ -39,9 +39,15 @@
  *   handle is usually caught too (EMBER_E_INVALID_ARGUMENT), but that check
  *   is a diagnostic aid, not a guarantee: do not use a handle after freeing.
  *
- *   Blocking. Functions marked "blocks" wait for the network; those that
- *   wait on a reply are bounded by the config's [worker] request_timeout
- *   (EMBER_E_TIMEOUT then). Functions not marked never block on the network.
+ *   Blocking. Functions marked "blocks" wait for a reply, bounded by the
+ *   config's [worker] request_timeout (EMBER_E_TIMEOUT then); a zero-copy
+ *   send can keep an operation up to heartbeat_timeout longer, and a
+ *   reconnect already under way up to connect_timeout (worker/worker.h,
+ *   "Asynchrony"). The functions that send (ember_*_async, the pipeline
+ *   functions that flush) return once the request is handed over; they wait
+ *   only for room (a full send queue or shm ring: at most 30 s, then
+ *   EMBER_E_TIMEOUT) or for a lost connection being re-established (bounded
+ *   by request_timeout). The others never wait on the network.
  *   No function calls back into the caller.
  *
  * Versioning: the library's SONAME is libember.so.<EMBER_ABI_VERSION>; the
@@ -87,7 +93,8 @@ typedef enum ember_status {
   EMBER_E_AUTH = 13,               /* handshake authentication failed (auth_token) */
   EMBER_E_VERSION_MISMATCH = 14,   /* protocol version differs between worker and server */
   EMBER_E_UNAVAILABLE = 15,        /* a resource or device is not present */
-  EMBER_E_WORKER_LOST = 16,        /* a worker vanished and the loss policy says fail */
+  EMBER_E_WORKER_LOST = 16,        /* a worker vanished: loss policy "fail", or "wait" and
+                                    * it was not back within worker_timeout */
   EMBER_E_STALE = 17,              /* a push for a step whose round is already over */
   EMBER_E_CANCELLED = 18,          /* the operation was cancelled by shutdown */
   EMBER_E_INTERNAL = 19,           /* an internal failure (also: out of memory, a C++ exception) */
@@ -165,7 +172,11 @@ EMBER_API int ember_set_log_level(const char* level);
  *   EMBER_E_IO, EMBER_E_TIMEOUT  a server unreachable after the retries
  *                             (the message names the server and the knobs)
  *   EMBER_E_AUTH, EMBER_E_VERSION_MISMATCH, EMBER_E_PROTOCOL  handshake refused
- *   EMBER_E_POOL_EXHAUSTED, EMBER_E_INTERNAL  the page pool could not be made */
+ *   EMBER_E_UNAVAILABLE       transport "rdma" with no active RDMA port, or
+ *                             pool_backing "hugetlb"/"thp" this host cannot give
+ *   EMBER_E_IO                also: pre-faulting the page pool failed, or the
+ *                             record_pattern file cannot be created
+ *   EMBER_E_INTERNAL          out of memory */
 EMBER_API int ember_worker_create(const char* config_path, int64_t rank,
                                   const char* const* overrides, size_t num_overrides,
                                   ember_worker** out_worker);
@@ -257,7 +268,11 @@ EMBER_API int ember_init(ember_worker* worker, uint64_t key, const uint64_t* sha
  *   worker), EMBER_E_SHAPE_MISMATCH, EMBER_E_STALE (bsp: the step's round is
  *   over), EMBER_E_OUT_OF_STEP (bsp: the server is at an earlier step; the
  *   key's step is now the server's, see ember_step), EMBER_E_CLOSED,
- *   EMBER_E_TIMEOUT. */
+ *   EMBER_E_TIMEOUT, EMBER_E_IO (a server stayed unreachable: "cannot
+ *   connect ... 1 attempt"), EMBER_E_AUTH / EMBER_E_VERSION_MISMATCH (a
+ *   reconnect was refused), EMBER_E_PROTOCOL (a reply of the wrong size).
+ *   The server also answers EMBER_E_INVALID_ARGUMENT to a push more than 64
+ *   steps past the key's open round: pull before pushing further. */
 EMBER_API int ember_push(ember_worker* worker, uint64_t key, const float* gradient,
                          size_t num_elements, uint64_t* out_step);
 
@@ -269,7 +284,9 @@ EMBER_API int ember_push(ember_worker* worker, uint64_t key, const float* gradie
  *   step needs pushes of this worker the server never received; the key's
  *   step is now the server's, unless this worker's own pushes of the key are
  *   still unanswered, e.g. queued in an unflushed pipeline: then the pull
- *   overtook them and the step stays), EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
+ *   overtook them and the step stays), EMBER_E_CLOSED, EMBER_E_TIMEOUT, and
+ *   EMBER_E_IO / EMBER_E_AUTH / EMBER_E_VERSION_MISMATCH / EMBER_E_PROTOCOL
+ *   as for ember_push. */
 EMBER_API int ember_pull(ember_worker* worker, uint64_t key, float* out, size_t num_elements,
                          uint64_t* out_step);
 
@@ -279,9 +296,10 @@ EMBER_API int ember_push_pull(ember_worker* worker, uint64_t key, const float* g
                               float* out, size_t num_elements, uint64_t* out_step);
 
 /* Asynchronous forms of push, pull and push_pull: they start the operation
- * and return at once with *out_request (required), which the caller waits on
- * with ember_wait and frees with ember_request_free. Never block (a full
- * channel ring is flushed to make room).
+ * and return with *out_request (required), which the caller waits on with
+ * ember_wait and frees with ember_request_free. They return once the request
+ * is handed to the transport, which waits only as "Blocking" above says (a
+ * full channel ring is flushed to make room).
  * Ownership: gradient and out must stay valid, and gradient unchanged, until
  * the request is done (ember_wait returned something other than
  * EMBER_PENDING); freeing the request early does not cancel the operation.
@@ -309,7 +327,8 @@ EMBER_API int ember_barrier(ember_worker* worker, uint64_t* out_generation);
 EMBER_API int ember_set_learning_rate(ember_worker* worker, double learning_rate);
 
 /* Every server writes a checkpoint now. Blocks until written.
- * out_sequence: the checkpoint's sequence number.
+ * out_sequence: each server numbers its own checkpoints; this is the
+ * smallest of the sequence numbers the servers wrote this time.
  * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL), EMBER_E_CONFIG (a server
  * has no [server] checkpoint_dir), EMBER_E_IO, EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
 EMBER_API int ember_checkpoint(ember_worker* worker, uint64_t* out_sequence);
@@ -360,7 +379,9 @@ EMBER_API int ember_pipeline_push_pull(ember_pipeline* pipeline, uint64_t key,
                                        const float* gradient, float* out, size_t num_elements,
                                        ember_request** out_request);
 
-/* Sends everything queued so far. Does not wait for replies.
+/* Sends everything queued so far in the worker's channel rings, including
+ * what other pipelines of this worker queued. Does not wait for replies, but
+ * may wait for room or a reconnect as "Blocking" above says.
  * Errors: EMBER_E_INVALID_ARGUMENT (pipeline NULL), the first send error
  * (EMBER_E_CLOSED, EMBER_E_IO, ...; that operation's request has it too). */
 EMBER_API int ember_pipeline_flush(ember_pipeline* pipeline);

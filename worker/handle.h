@@ -201,7 +201,9 @@ class Handle {
   Result<std::uint64_t> wait() const;
 
   // Waits at most `timeout`. Errors: as wait(), plus kTimeout when the
-  // operation is still running (it keeps running; wait again later). A
+  // operation is still running (it keeps running; wait again later). Both
+  // that and an operation that itself timed out give kTimeout: ready()
+  // tells them apart (false: still running). A
   // timeout of kWaitAsLongAsAnyRequest or more (nanoseconds::max()
   // included) waits like wait(): no operation outlives request_timeout,
   // whose maximum that is, and clock arithmetic on larger values overflows.

@@ -206,13 +206,16 @@ class Pipeline;
 class Worker {
  public:
   // Connects to every server and joins. Errors: kConfig (invalid config,
-  // transport "rdma", a server with another [cluster] table, two servers
+  // a server with another [cluster] table, two servers
   // whose consistency, staleness, on_worker_loss, optimizer type or
   // configured [optimizer] numbers differ: see the join reply in
   // docs/wire-format.md; after a reconnect, requests to such a server fail
   // with the same error), kIo / kTimeout
-  // (a server unreachable after connect_retries), kIo (record_pattern on and
-  // the recording file cannot be created), the pool's errors.
+  // (a server unreachable after connect_retries), kAuth / kVersionMismatch /
+  // kProtocol (the handshake refused), kUnavailable (transport "rdma" with
+  // no active RDMA port; pool_backing "hugetlb" or "thp" that this host
+  // cannot give), kIo (record_pattern on and the recording file cannot be
+  // created; pre-faulting the pool failed), kInternal (out of memory).
   static Result<std::unique_ptr<Worker>> create(const config::Config& config);
   // Loads `path` (config::load_config_file), applies `overrides`
   // ("table.key=value"), then create().
@@ -229,7 +232,8 @@ class Worker {
   const config::Config& config() const noexcept;
 
   // A pool buffer of `bytes` (rounded to nothing: size_bytes() == bytes).
-  // Never blocks. Errors: none (falls back to heap memory, see TensorBuffer).
+  // Never blocks. Falls back to heap memory when the pool cannot hold it
+  // (see TensorBuffer); throws std::bad_alloc when that fails too.
   TensorBuffer allocate(std::size_t bytes);
 
   // Registers `key` as a float32 tensor of `shape` (product = elements;
@@ -242,12 +246,16 @@ class Worker {
   Handle init(Key key, std::span<const std::uint64_t> shape, std::span<const float> values);
 
   // Errors: kNotFound (key not init-ed by this worker, or unknown on the
-  // server), kInvalidArgument (gradient.size() != elements), kShapeMismatch,
+  // server), kInvalidArgument (gradient.size() != elements; or, from the
+  // server, a step more than 64 steps past the key's open round: pull
+  // first), kShapeMismatch,
   // kStale (bsp: the step's round is over), kOutOfStep (bsp: the server is
   // at an earlier step for this worker, e.g. restored from an older
   // checkpoint; step(key) is now the server's step, see "Out of step"),
   // kClosed (connection lost and not re-sent, or re-sending gave up; see
-  // "Lost connections"), kTimeout.
+  // "Lost connections"), kTimeout, kIo ("cannot connect ... 1 attempt":
+  // the server stayed unreachable), kAuth / kVersionMismatch (a reconnect
+  // was refused), kProtocol (a reply of the wrong size).
   Handle push(Key key, std::span<const float> gradient);
   Handle push(Key key, std::span<const float> gradient, std::uint64_t step);
 
@@ -256,7 +264,8 @@ class Worker {
   // kOutOfStep (bsp/ssp: the step asked needs pushes of this worker the
   // server never received; step(key) is now the server's step, unless
   // pushes of the key from this worker are still unanswered: then the pull
-  // overtook them, and step(key) stays), kClosed, kTimeout.
+  // overtook them, and step(key) stays), kClosed, kTimeout, and kIo /
+  // kAuth / kVersionMismatch / kProtocol as for push.
   Handle pull(Key key, std::span<float> out);
   Handle pull(Key key, std::span<float> out, std::uint64_t step);
 

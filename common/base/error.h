@@ -38,7 +38,7 @@ enum class ErrorCode : std::uint16_t {
   kAuth = 13,             // handshake authentication failed
   kVersionMismatch = 14,  // protocol version differs between peers
   kUnavailable = 15,      // a resource or device is not present (RDMA, GPU)
-  kWorkerLost = 16,       // a worker vanished and the loss policy is "fail"
+  kWorkerLost = 16,       // a worker vanished: loss policy "fail", or "wait" past worker_timeout
   kStale = 17,            // a push for a step that is already over
   kCancelled = 18,        // the operation was cancelled by shutdown
   kInternal = 19,         // an invariant failed in a way that is reported, not aborted

@@ -82,7 +82,8 @@ enum class Consistency : std::uint8_t {
 
 // [server] on_worker_loss.
 enum class WorkerLossPolicy : std::uint8_t {
-  kWait,    // "wait": a BSP round waits up to worker_timeout for the worker to return
+  kWait,    // "wait": a BSP round waits up to worker_timeout for the worker to return,
+            // then the waiting workers get ErrorCode::kWorkerLost
   kShrink,  // "shrink": continue with the remaining workers
   kFail,    // "fail": every waiting worker gets ErrorCode::kWorkerLost
 };
@@ -146,7 +147,7 @@ struct CommunicationConfig {
   std::chrono::nanoseconds busy_poll{std::chrono::milliseconds(1)};
   // ring_buffer_size: slots per channel ring; a power of two, 2 .. 2^24.
   std::uint32_t ring_buffer_slots = 1024;
-  // prealloc_pages: 2 MiB pages reserved for the page pool up front; >= 1.
+  // prealloc_pages: 2 MiB pages reserved for the page pool up front; 1 .. 2^20.
   std::uint32_t prealloc_pages = 128;
   // pool_backing: "auto" | "hugetlb" | "thp" | "plain".
   PoolBacking pool_backing = PoolBacking::kAuto;
@@ -169,11 +170,13 @@ struct CommunicationConfig {
   std::vector<std::uint32_t> cpu_affinity;
   // io_threads: I/O threads (one io_context each); 1 .. 256.
   std::uint32_t num_io_threads = 1;
-  // heartbeat_interval: a heartbeat is sent after this much silence; > 0.
+  // heartbeat_interval: a heartbeat is sent after this much silence; > 0,
+  // at most 24 h (heartbeat_timeout too).
   std::chrono::nanoseconds heartbeat_interval{std::chrono::seconds(1)};
   // heartbeat_timeout: a peer silent this long is dead; > heartbeat_interval.
   std::chrono::nanoseconds heartbeat_timeout{std::chrono::seconds(10)};
-  // max_message_size: largest message accepted or sent; >= batch_threshold,
+  // max_message_size: largest message accepted or sent; 512 B .. 1 TiB,
+  // >= batch_threshold,
   // and >= [server] partition_bytes (a large chunk's data travels as a
   // message of its own, after its header's).
   std::uint64_t max_message_bytes = std::uint64_t{256} << 20;
@@ -203,7 +206,7 @@ struct ClusterConfig {
   // servers: "host:port" of every server, in server_index order; >= 1, no
   // duplicates, ports 1 .. 65535.
   std::vector<HostPort> servers{HostPort{"127.0.0.1", 7070}};
-  // num_workers: workers in the job; >= 1.
+  // num_workers: workers in the job; 1 .. 2^20.
   std::uint32_t num_workers = 1;
 
   bool operator==(const ClusterConfig&) const = default;
@@ -230,11 +233,12 @@ struct ServerConfig {
   // the same file.
   std::vector<std::uint32_t> shard_cpu_affinity;
   // partition_bytes: tensors larger than this are cut into chunks spread over
-  // servers and channels; >= 4 KiB.
+  // servers and channels; 4 KiB .. 1 TiB.
   std::uint64_t partition_bytes = std::uint64_t{4} << 20;
   // checkpoint_dir: directory for checkpoints; "" = checkpoints off.
   std::string checkpoint_dir;
-  // checkpoint_interval: time between checkpoints; 0 = only on SIGTERM.
+  // checkpoint_interval: time between checkpoints; 0 = only on SIGTERM (and
+  // when a worker asks, Worker::checkpoint); otherwise >= 1 s.
   std::chrono::nanoseconds checkpoint_interval{0};
   // checkpoint_keep: newest checkpoints kept; >= 1.
   std::uint32_t checkpoint_keep = 3;
@@ -292,12 +296,12 @@ struct OptimizerConfig {
 
 // [worker]: the client library.
 struct WorkerConfig {
-  // rank: this worker's rank; < cluster.num_workers.
+  // rank: this worker's rank; < cluster.num_workers (so < 2^20).
   std::uint32_t rank = 0;
   // request_timeout: a push/pull/barrier not answered in this time fails
-  // with ErrorCode::kTimeout; > 0.
+  // with ErrorCode::kTimeout; > 0, at most 365 days.
   std::chrono::nanoseconds request_timeout{std::chrono::seconds(60)};
-  // connect_timeout: one connection attempt to a server; > 0.
+  // connect_timeout: one connection attempt to a server; > 0, at most 24 h.
   std::chrono::nanoseconds connect_timeout{std::chrono::seconds(10)};
   // connect_retries: further attempts after the first fails; 0 .. 1000000.
   std::uint32_t connect_retries = 20;
@@ -357,8 +361,9 @@ inline constexpr std::size_t kMaxConfigFileBytes = std::size_t{16} << 20;
 
 // Checks every range and cross-field rule of a Config built or modified in
 // code (parse_config already did this for a loaded one). source_name prefixes
-// each message. Cross-field rules: heartbeat_timeout > heartbeat_interval;
-// max_message_size >= batch_threshold; max_queued_bytes >= max_message_size;
+// each message. Cross-field rules: checkpoint_interval is 0 or >= 1 s;
+// heartbeat_timeout > heartbeat_interval; max_message_size >= batch_threshold
+// and >= partition_bytes; max_queued_bytes >= max_message_size;
 // zero_copy = "sendfile" is refused with pool_backing = "hugetlb" (a hugetlb
 // memfd cannot feed sendfile: EINVAL); record_pattern needs record_path;
 // server_index < number of servers; worker rank < num_workers; nesterov only

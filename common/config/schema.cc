@@ -581,10 +581,10 @@ std::vector<Field> build_fields() {
                          comm(&CommunicationConfig::num_io_threads), 1, 256,
                          "use 1 to 256 I/O threads"));
   f.push_back(duration_field("communication", "heartbeat_interval",
-                             "a heartbeat after this much silence; > 0",
+                             "a heartbeat after this much silence; > 0, <= 24h",
                              comm(&CommunicationConfig::heartbeat_interval), hours(24), true));
   f.push_back(duration_field("communication", "heartbeat_timeout",
-                             "a peer silent this long is dead; > heartbeat_interval",
+                             "a peer silent this long is dead; > heartbeat_interval, <= 24h",
                              comm(&CommunicationConfig::heartbeat_timeout), hours(24), true));
   f.push_back(size_field("communication", "max_message_size",
                          "largest message sent or accepted; >= batch_threshold and >= "
@@ -605,7 +605,7 @@ std::vector<Field> build_fields() {
                            comm(&CommunicationConfig::record_path), /*is_path=*/true));
   // [cluster]
   f.push_back(server_list_field());
-  f.push_back(uint_field("cluster", "num_workers", "workers in the job; >= 1",
+  f.push_back(uint_field("cluster", "num_workers", "workers in the job; 1 .. 1048576",
                          cluster(&ClusterConfig::num_workers), 1, 1u << 20,
                          "set it to the number of worker processes (at least 1)"));
   // [server]
@@ -694,9 +694,9 @@ std::vector<Field> build_fields() {
                          worker(&WorkerConfig::rank), 0, (1u << 20) - 1,
                          "use this worker's 0-based rank, below cluster.num_workers"));
   f.push_back(duration_field("worker", "request_timeout",
-                             "an unanswered push/pull/barrier fails after this long; > 0",
+                             "an unanswered push/pull/barrier fails after this long; > 0, <= 365 days",
                              worker(&WorkerConfig::request_timeout), hours(24 * 365), true));
-  f.push_back(duration_field("worker", "connect_timeout", "one connection attempt; > 0",
+  f.push_back(duration_field("worker", "connect_timeout", "one connection attempt; > 0, <= 24h",
                              worker(&WorkerConfig::connect_timeout), hours(24), true));
   f.push_back(uint_field("worker", "connect_retries",
                          "further attempts after a failed connect; 0 .. 1000000",

@@ -14,7 +14,7 @@
 //     cache line, so give each channel/thread its own series via a label).
 //     Gauge::add and Histogram::observe's sum use a compare-exchange loop on
 //     a double. Histogram::observe is a binary search over the bounds plus
-//     two relaxed atomic adds and that CAS.
+//     one relaxed integer add (the bucket) and that CAS (the sum).
 //   - Registry::counter/gauge/histogram: any thread; take a mutex and may
 //     allocate (first registration of a series). Not for hot paths.
 //   - Registry::render: any thread, concurrently with updates and
@@ -107,7 +107,8 @@ class alignas(kFalseSharingBytes) Gauge {
 
 // Distribution over fixed buckets: bucket i counts observations v with
 // bounds[i-1] < v <= bounds[i] (Prometheus "le" semantics); one more bucket
-// counts v > bounds.back() (+Inf). NaN observations land in +Inf. Units are
+// counts v > bounds.back() (+Inf). NaN observations land in +Inf and make
+// _sum NaN from then on (as Prometheus' client libraries do). Units are
 // the caller's and belong in the metric name (_us, _bytes).
 class Histogram {
  public:

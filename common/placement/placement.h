@@ -8,9 +8,12 @@
 // shorter), each placed independently so large tensors spread over servers
 // and channels. Chunk boundaries are multiples of the element size.
 //
-// The hash is SplitMix64's finaliser (Steele, Lea, Flood, "Fast Splittable
-// Pseudorandom Number Generators", OOPSLA 2014), which mixes consecutive keys
-// (0, 1, 2, ...) into well-spread values. Changing it breaks compatibility
+// The hash is one step of SplitMix64 (Steele, Lea, Flood, "Fast Splittable
+// Pseudorandom Number Generators", OOPSLA 2014): add the golden-ratio gamma,
+// then mix with David Stafford's "Mix13" variant of MurmurHash3's finaliser
+// (shifts 30, 27, 31 and his two multipliers), as Java 8's SplittableRandom
+// and Vigna's splitmix64.c do. It mixes consecutive keys (0, 1, 2, ...) into
+// well-spread values. Changing it breaks compatibility
 // between workers and servers of different versions: the protocol version
 // must change with it.
 //

@@ -481,9 +481,14 @@ class Worker:
     sets [worker] rank when `rank` is given, connects to every server and
     joins. Blocks while connecting (retrying per [worker] connect_retries).
     Raises EmberError: E_CONFIG (missing or invalid file, bad override, rank
-    out of range, a server with another [cluster] table, two servers whose
-    consistency or [optimizer] settings differ), E_IO / E_TIMEOUT (a server
-    unreachable), ...
+    >= [cluster] num_workers, a server with another [cluster] table, two
+    servers whose consistency or [optimizer] settings differ), E_IO /
+    E_TIMEOUT (a server unreachable), E_AUTH / E_VERSION_MISMATCH /
+    E_PROTOCOL (the handshake refused), E_UNAVAILABLE (transport "rdma"
+    without an RDMA port; a pool_backing this host cannot give),
+    E_INVALID_ARGUMENT (rank above 2**32 - 1). Raises ValueError for a
+    negative or non-int rank and TypeError for overrides given as one string
+    (see ember_worker_create in capi/ember.h for the full list).
     """
 
     def __init__(self, config_path, rank=None, overrides=()):
@@ -617,7 +622,16 @@ class Worker:
 
     def push(self, key, gradient):
         """Sends this step's gradient of `key`; returns the step pushed. Blocks
-        until the servers accepted it."""
+        until the servers accepted it.
+
+        `gradient`: array-like of the key's shape or a flat one of its size,
+        converted to C-contiguous float32 (no copy when it already is one).
+        Raises EmberError: E_SHAPE_MISMATCH (another shape of the same
+        size), E_INVALID_ARGUMENT (another size; or more than 64 steps past
+        the open round), E_NOT_FOUND (key not init-ed), E_STALE (bsp: the
+        round is over), E_OUT_OF_STEP (see step()), E_CLOSED / E_TIMEOUT /
+        E_IO (server lost or unreachable); ember_push in capi/ember.h lists
+        them all."""
         key = _key(key)
         g = self._gradient(key, gradient)
         step = ctypes.c_uint64()
@@ -627,7 +641,13 @@ class Worker:
     def pull(self, key, out=None):
         """Parameters of `key` that include every push this worker made (bsp:
         every worker's pushes of those steps), written into `out` (a new
-        array of the key's shape when None); returns `out`. Blocks."""
+        array of the key's shape when None); returns `out`. Blocks.
+
+        Raises TypeError / ValueError for an `out` that is not a writable
+        C-contiguous float32 array of the key's size, and EmberError:
+        E_NOT_FOUND, E_WORKER_LOST (a worker the step needs is gone, per
+        on_worker_loss), E_OUT_OF_STEP (see step()), E_CLOSED / E_TIMEOUT /
+        E_IO; ember_pull in capi/ember.h lists them all."""
         key = _key(key)
         o = self._out_for(key, out)
         _check(lib.ember_pull(self._h(), key, _addr(o), o.size, None))
@@ -635,7 +655,7 @@ class Worker:
 
     def push_pull(self, key, gradient, out=None):
         """push then pull in one round trip; returns `out`. `out` may be the
-        gradient's own array. Blocks."""
+        gradient's own array. Blocks. Raises what push and pull raise."""
         key = _key(key)
         g = self._gradient(key, gradient)
         o = self._out_for(key, out)
@@ -673,17 +693,23 @@ class Worker:
         return Future(self._native, req, value, keep)
 
     def barrier(self):
-        """Every worker reaches it before any returns; returns its sequence number."""
+        """Every worker reaches it before any returns; returns its sequence number.
+        Blocks. Raises EmberError: E_WORKER_LOST, E_CLOSED, E_TIMEOUT."""
         gen = ctypes.c_uint64()
         _check(lib.ember_barrier(self._h(), ctypes.byref(gen)))
         return gen.value
 
     def set_learning_rate(self, learning_rate):
-        """The optimizer's learning rate on every server (> 0, finite). Blocks."""
+        """The optimizer's learning rate on every server (> 0, finite). Blocks.
+        Raises EmberError: E_INVALID_ARGUMENT (not > 0 or not finite),
+        E_CLOSED, E_TIMEOUT."""
         _check(lib.ember_set_learning_rate(self._h(), float(learning_rate)))
 
     def checkpoint(self):
-        """Every server writes a checkpoint now; returns its sequence number."""
+        """Every server writes a checkpoint now; returns the smallest of the
+        servers' sequence numbers (each server numbers its own). Blocks.
+        Raises EmberError: E_CONFIG (a server has no checkpoint_dir), E_IO
+        (the write failed; the message says what to do), E_CLOSED, E_TIMEOUT."""
         seq = ctypes.c_uint64()
         _check(lib.ember_checkpoint(self._h(), ctypes.byref(seq)))
         return seq.value

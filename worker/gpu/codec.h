@@ -11,8 +11,10 @@
 //          as in LLM.int8(), Dettmers et al. 2022, per chunk instead of per
 //          row); decoded as q * s. Needs finite inputs: an inf makes s = inf.
 // Before encoding, a value is prepared (prepared_value): v = g * prescale
-// (bf16/fp16 default to prescale = 1/num_workers, so the server's sum of
-// num_workers values stays within range: the sum is the mean gradient), plus
+// (bf16/fp16 default to prescale = 1/num_workers, which keeps a reduction of
+// num_workers encoded values within their range; DeviceExchange divides the
+// prescale back out before pushing fp32 to the server, which takes the mean
+// itself: device_exchange.h, "What the server gets"), plus
 // the residual kept from the last step when error feedback is on (Seide et
 // al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "EF-SGD"). With delta
 // encoding the codec carries x = v - ref, where ref is the reconstruction of

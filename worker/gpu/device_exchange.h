@@ -169,10 +169,12 @@ class DeviceExchange {
   //     key or num_elements differs from the plan's tensor at that index,
   //     a null pointer for a non-empty tensor, (CUDA) a pointer the device
   //     cannot address — each message names the index, the key and the fix;
-  //   kTimeout / kProtocol / kInternal from the pack step (names channel,
-  //     rank, head and tail);
-  //   Worker::push's errors (kNotFound: key not init-ed; kStale; kClosed;
-  //     kTimeout), the first one.
+  //   kTimeout / kProtocol / kInternal / kTooLarge (a recv ring without
+  //     room for its send ring) from the pack step (names channel, rank,
+  //     head and tail);
+  //   Worker::push's errors (kNotFound: key not init-ed; kStale;
+  //     kOutOfStep; kInvalidArgument from the server; kClosed; kTimeout;
+  //     see worker.h), the first one.
   Handle push_device(std::span<const ConstTensorView> gradients);
 
   // Pulls every tensor's parameters into `parameters` (one view per plan
