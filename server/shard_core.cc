@@ -429,7 +429,8 @@ void ShardCore::park_or_answer(Entry& e, Parked parked, ReplySink& sink) {
     sink.error(parked.request.to, parked.request.header,
                membership_.failure_error(*r, fmt::format("{} of step {} for {}",
                                                          proto::msg_type_name(parked.request.header.type),
-                                                         parked.want, entry_name(e.id))));
+                                                         parked.request.header.step,
+                                                         entry_name(e.id))));
   } else {
     e.parked.push_back(std::move(parked));
   }
@@ -445,7 +446,8 @@ void ShardCore::serve_parked(Entry& e, ReplySink& sink) {
       sink.error(p.request.to, p.request.header,
                  membership_.failure_error(*r, fmt::format("{} of step {} for {}",
                                                            proto::msg_type_name(p.request.header.type),
-                                                           p.want, entry_name(e.id))));
+                                                           p.request.header.step,
+                                                           entry_name(e.id))));
     } else {
       keep.push_back(std::move(p));
     }

@@ -1120,6 +1120,13 @@ void Worker::Impl::timer_loop() {
           note += "; " + it->second;
         }
       }
+      if ((op->what_verb == "pull" || op->what_verb == "push_pull") &&
+          config.server.consistency != config::Consistency::kAsp) {
+        // Under bsp/ssp the usual cause is another worker, not the network.
+        note += "; under bsp and ssp a pull waits for the other workers' pushes of its step (ssp: "
+                "until the slowest worker is within [server] staleness steps): check that every "
+                "worker runs, and their steps with `emberctl status`";
+      }
       const std::string what = op->what();
       op->fail(Error(ErrorCode::kTimeout,
                      fmt::format("{}{}no reply within [worker] request_timeout ({}){}", what,
@@ -1169,14 +1176,19 @@ void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Erro
       failed.push_back(std::move(r));
     }
   }
-  if (!failed.empty() ||
+  // Requests whose operation has already failed (timed out, or a sibling
+  // chunk's error) stay in the table until their connection goes, for late
+  // replies; the caller has seen their error, so they are not news.
+  const auto newly_failed = static_cast<std::size_t>(
+      std::count_if(failed.begin(), failed.end(), [](const PendingReq& r) { return !r.op->failed(); }));
+  if (newly_failed > 0 ||
       (job.requests.empty() && reason.code() != ErrorCode::kClosed &&
        reason.code() != ErrorCode::kCancelled)) {
     // The pointer once: a transport reason may carry its own.
     const std::string why = reason.to_string();
     const bool pointed = why.find("docs/troubleshooting.md#") != std::string::npos;
     log->warn("connection to server {} ({}) closed: {}; {} request(s) failed{}", server,
-              link.address, why, failed.size(),
+              link.address, why, newly_failed,
               pointed ? "" : "; see docs/troubleshooting.md#worker-loss");
   }
   for (auto& r : failed) {

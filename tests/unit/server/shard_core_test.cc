@@ -7,6 +7,7 @@
 #include <random>
 
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "server/barrier_core.h"
@@ -457,6 +458,29 @@ TEST_F(ShardCoreTest, FailPolicyAnswersWaitersAtOnce) {
   EXPECT_EQ(s[0].header.step, 0u);
   push(1, 1, 0, {3});
   EXPECT_EQ(core->stats().rounds_completed, 1u);
+}
+
+// The kWorkerLost reply names the request's step (the step pushed), not the
+// version its reply waits for (one more): the worker's own messages and the
+// server's metrics use that step.
+TEST_F(ShardCoreTest, WorkerLostNamesTheStepOfThePushPull) {
+  make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kFail));
+  init(1, {0});
+  core->on_push_pull(req(MsgType::kPushPull, 0, 1, 0, 1), Payload::of(std::vector<float>{2}), kT0,
+                     sink);
+  sink.take();
+  core->on_worker_lost(1, kT0, sink);  // the parked push_pull fails
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+  EXPECT_THAT(s[0].error.message(), ::testing::HasSubstr("push_pull of step 0 for key 1"));
+  // One that arrives after the loss (a re-send) fails at once, with its step too.
+  core->on_push_pull(req(MsgType::kPushPull, 0, 1, 0, 1), Payload::of(std::vector<float>{2}), kT0,
+                     sink);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+  EXPECT_THAT(s[0].error.message(), ::testing::HasSubstr("push_pull of step 0 for key 1"));
 }
 
 // A gradient adopted from a transport buffer (over shm: the worker's own
