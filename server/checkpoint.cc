@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -25,8 +26,11 @@ namespace {
 
 constexpr char kFileMagic[8] = {'E', 'M', 'B', 'R', 'C', 'K', 'P', 'T'};
 constexpr char kFooterMagic[8] = {'E', 'M', 'B', 'R', 'D', 'O', 'N', 'E'};
-constexpr std::uint32_t kFormatVersion = 1;
-constexpr std::size_t kFileHeaderBytes = 64;
+// Format 2 added the optimizer's hyper-parameters to the file header; format
+// 1 files (64-byte header) are still read.
+constexpr std::uint32_t kFormatVersion = 2;
+constexpr std::size_t kFileHeaderBytes = 128;
+constexpr std::size_t kFileHeaderBytesV1 = 64;
 constexpr std::size_t kEntryHeaderBytes = 64;
 constexpr std::size_t kFooterBytes = 16;
 constexpr std::uint32_t kMaxClocks = 1u << 20;
@@ -206,9 +210,46 @@ std::string checkpoint_file_name(std::uint32_t server_index, std::uint64_t seque
   return fmt::format("ckpt-s{:03}-{:010}.ember", server_index, sequence);
 }
 
+OptimizerHyperParameters OptimizerHyperParameters::of(const config::OptimizerConfig& c) {
+  OptimizerHyperParameters h;
+  h.momentum = c.momentum;
+  h.nesterov = c.nesterov;
+  h.beta1 = c.beta1;
+  h.beta2 = c.beta2;
+  h.epsilon = c.epsilon_or_default();
+  h.weight_decay = c.weight_decay_or_default();
+  h.initial_accumulator = c.initial_accumulator;
+  return h;
+}
+
+std::string changed_hyper_parameters(const OptimizerHyperParameters& written,
+                                     const config::OptimizerConfig& now) {
+  using T = config::OptimizerType;
+  const bool momentum = now.type == T::kMomentum;
+  const bool adam = now.type == T::kAdam || now.type == T::kAdamW;
+  const bool adagrad = now.type == T::kAdagrad;
+  const OptimizerHyperParameters n = OptimizerHyperParameters::of(now);
+  std::vector<std::string> out;
+  auto number = [&](bool used, const char* name, double was, double is) {
+    if (used && was != is) out.push_back(fmt::format("{} {} (now {})", name, was, is));
+  };
+  number(momentum, "momentum", written.momentum, n.momentum);
+  if (momentum && written.nesterov != n.nesterov) {
+    out.push_back(fmt::format("nesterov {} (now {})", written.nesterov, n.nesterov));
+  }
+  number(adam, "beta1", written.beta1, n.beta1);
+  number(adam, "beta2", written.beta2, n.beta2);
+  number(adam || adagrad, "epsilon", written.epsilon, n.epsilon);
+  number(true, "weight_decay", written.weight_decay, n.weight_decay);
+  number(adagrad, "initial_accumulator", written.initial_accumulator, n.initial_accumulator);
+  return fmt::format("{}", fmt::join(out, ", "));
+}
+
 std::vector<std::byte> serialize_checkpoint(const CheckpointData& data) {
   std::vector<std::byte> out;
-  std::size_t total = kFileHeaderBytes + kFooterBytes;
+  const bool v2 = data.hyper_parameters.has_value();
+  const std::size_t header_bytes = v2 ? kFileHeaderBytes : kFileHeaderBytesV1;
+  std::size_t total = header_bytes + kFooterBytes;
   for (const auto& e : data.entries) {
     total += 12 + kEntryHeaderBytes + 8 * (e.shape.size() + e.clocks.size()) +
              4 * e.params.size() * (1 + e.optimizer.slots.size());
@@ -216,7 +257,7 @@ std::vector<std::byte> serialize_checkpoint(const CheckpointData& data) {
   out.reserve(total);
   Writer w(out);
   w.bytes(kFileMagic, 8);
-  w.put<std::uint32_t>(kFormatVersion);
+  w.put<std::uint32_t>(v2 ? kFormatVersion : 1);
   w.put<std::uint32_t>(data.server_index);
   w.put<std::uint64_t>(data.sequence);
   w.put<std::uint64_t>(data.created_unix_ns);
@@ -226,7 +267,17 @@ std::vector<std::byte> serialize_checkpoint(const CheckpointData& data) {
   w.put<std::uint8_t>(static_cast<std::uint8_t>(data.consistency));
   w.zeros(6);
   w.put<double>(data.learning_rate);
-  w.zeros(kFileHeaderBytes - 4 - w.size());
+  if (v2) {
+    const OptimizerHyperParameters& h = *data.hyper_parameters;
+    w.put<double>(h.momentum);
+    w.put<double>(h.beta1);
+    w.put<double>(h.beta2);
+    w.put<double>(h.epsilon);
+    w.put<double>(h.weight_decay);
+    w.put<double>(h.initial_accumulator);
+    w.put<std::uint8_t>(h.nesterov ? 1 : 0);
+  }
+  w.zeros(header_bytes - 4 - w.size());
   const std::uint32_t header_crc = wire::crc32c(std::span<const std::byte>(out.data(), w.size()));
   w.put<std::uint32_t>(header_crc);
 
@@ -278,16 +329,43 @@ Result<CheckpointData> parse_checkpoint(std::span<const std::byte> bytes) {
   std::uint8_t opt = 0, consistency = 0;
   bool ok = r.get(version) && r.get(d.server_index) && r.get(d.sequence) &&
             r.get(d.created_unix_ns) && r.get(num_entries) && r.get(d.num_workers) &&
-            r.get(opt) && r.get(consistency) && r.take(6, raw) && r.get(d.learning_rate) &&
-            r.take(kFileHeaderBytes - 4 - r.pos(), raw) && r.get(header_crc);
+            r.get(opt) && r.get(consistency) && r.take(6, raw) && r.get(d.learning_rate);
+  if (ok && version != 1 && version != kFormatVersion) {
+    return corrupt(fmt::format("format version {} (this build reads 1 and {})", version,
+                               kFormatVersion));
+  }
+  const std::size_t header_bytes = version == 1 ? kFileHeaderBytesV1 : kFileHeaderBytes;
+  OptimizerHyperParameters h;
+  std::uint8_t nesterov = 0;
+  if (ok && version == kFormatVersion) {
+    ok = r.get(h.momentum) && r.get(h.beta1) && r.get(h.beta2) && r.get(h.epsilon) &&
+         r.get(h.weight_decay) && r.get(h.initial_accumulator) && r.get(nesterov);
+  }
+  ok = ok && r.take(header_bytes - 4 - r.pos(), raw) && r.get(header_crc);
   if (!ok) {
     return corrupt(fmt::format("truncated: {} bytes, shorter than the file header", bytes.size()));
   }
-  if (version != kFormatVersion) {
-    return corrupt(fmt::format("format version {} (this build reads {})", version, kFormatVersion));
-  }
-  if (wire::crc32c(bytes.first(kFileHeaderBytes - 4)) != header_crc) {
+  if (wire::crc32c(bytes.first(header_bytes - 4)) != header_crc) {
     return corrupt("checksum mismatch in the file header");
+  }
+  if (version == kFormatVersion) {
+    // What a server writes passed config validation; anything else did not
+    // come from one.
+    auto in = [](double v, double lo, bool lo_open, double hi) {
+      return std::isfinite(v) && (lo_open ? v > lo : v >= lo) && v < hi;
+    };
+    const double inf = std::numeric_limits<double>::infinity();
+    if (!in(h.momentum, 0, false, 1) || !in(h.beta1, 0, false, 1) || !in(h.beta2, 0, false, 1) ||
+        !in(h.epsilon, 0, true, inf) || !in(h.weight_decay, 0, false, inf) ||
+        !in(h.initial_accumulator, 0, false, inf) || nesterov > 1) {
+      return corrupt(fmt::format(
+          "optimizer hyper-parameters no server writes in the file header (momentum {}, beta1 {}, "
+          "beta2 {}, epsilon {}, weight_decay {}, initial_accumulator {}, nesterov {})",
+          h.momentum, h.beta1, h.beta2, h.epsilon, h.weight_decay, h.initial_accumulator,
+          nesterov));
+    }
+    h.nesterov = nesterov == 1;
+    d.hyper_parameters = h;
   }
   if (opt > static_cast<std::uint8_t>(config::OptimizerType::kAdagrad) ||
       consistency > static_cast<std::uint8_t>(proto::Consistency::kSsp)) {

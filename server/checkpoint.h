@@ -10,10 +10,11 @@
 // ("<name>.corrupt"), so corrupt files never displace valid ones.
 //
 // Layout (little-endian; docs/checkpoint-format.md has the table):
-//   file header   64 bytes: magic "EMBRCKPT", format version, server index,
-//                 sequence, creation time, entry count, worker count,
-//                 optimizer type, consistency, learning rate, CRC32C of the
-//                 preceding header bytes
+//   file header   128 bytes (format 2; 64 in format 1): magic "EMBRCKPT",
+//                 format version, server index, sequence, creation time,
+//                 entry count, worker count, optimizer type, consistency,
+//                 learning rate, (format 2) the other optimizer
+//                 hyper-parameters, CRC32C of the preceding header bytes
 //   entry record  u64 body length, body, u32 CRC32C of the body; the body is
 //                 a 64-byte entry header (key, chunk, layout, version,
 //                 optimizer update count, dtype, ndim, slot count, clock
@@ -45,6 +46,30 @@
 
 namespace ember::server {
 
+// The optimizer settings a checkpoint was written under, besides the type
+// and the learning rate: what config::OptimizerConfig holds, with epsilon and
+// weight_decay resolved (epsilon_or_default, weight_decay_or_default).
+struct OptimizerHyperParameters {
+  double momentum = 0.0;
+  bool nesterov = false;
+  double beta1 = 0.0;
+  double beta2 = 0.0;
+  double epsilon = 0.0;
+  double weight_decay = 0.0;
+  double initial_accumulator = 0.0;
+
+  // From a config, epsilon and weight_decay resolved.
+  static OptimizerHyperParameters of(const config::OptimizerConfig& c);
+  bool operator==(const OptimizerHyperParameters&) const = default;
+};
+
+// The [optimizer] numbers that `now` uses and that differ from what a
+// checkpoint was written with, as "beta2 0.999 (now 0.99), ..." (the
+// checkpoint's value first); "" when none does. The server logs them on
+// restore: the restored moments continue under the new values.
+std::string changed_hyper_parameters(const OptimizerHyperParameters& written,
+                                     const config::OptimizerConfig& now);
+
 struct CheckpointData {
   std::uint32_t server_index = 0;
   std::uint64_t sequence = 0;
@@ -53,6 +78,9 @@ struct CheckpointData {
   config::OptimizerType optimizer = config::OptimizerType::kSgd;
   proto::Consistency consistency = proto::Consistency::kBsp;
   double learning_rate = 0.0;
+  // Written and read in format 2. nullopt: a format 1 file (written before
+  // they were stored); serialize_checkpoint then writes format 1.
+  std::optional<OptimizerHyperParameters> hyper_parameters;
   std::vector<EntrySnapshot> entries;
 
   bool operator==(const CheckpointData&) const = default;
@@ -61,7 +89,7 @@ struct CheckpointData {
 // Serialises `data` to its file image (used by write_checkpoint and tests).
 std::vector<std::byte> serialize_checkpoint(const CheckpointData& data);
 
-// Parses a file image. Errors: kCorrupt with what is wrong and where
+// Parses a file image, format 1 or 2. Errors: kCorrupt with what is wrong and where
 // ("truncated: ends at byte 812 inside entry 3 of 6", "checksum mismatch in
 // the record of key 7 chunk 0").
 [[nodiscard]] Result<CheckpointData> parse_checkpoint(std::span<const std::byte> bytes);

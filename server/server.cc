@@ -551,6 +551,15 @@ Status Server::Impl::restore_checkpoint() {
               loaded.path.string(), proto::consistency_name(d.consistency),
               config::to_string(config.server.consistency));
   }
+  if (d.hyper_parameters) {
+    const std::string changed = changed_hyper_parameters(*d.hyper_parameters, config.optimizer);
+    if (!changed.empty()) {
+      log->warn("checkpoint '{}' was written with other [optimizer] settings: {}; this config's "
+                "apply to the restored state from the next update on. Restart with the "
+                "checkpoint's values to resume the same run (docs/checkpoint-format.md)",
+                loaded.path.string(), changed);
+    }
+  }
   EMBER_TRY(check_checkpoint_layout(d, loaded.path.string()));
   const std::size_t n = d.entries.size();
   for (auto& e : d.entries) {
@@ -1310,6 +1319,7 @@ Result<std::uint64_t> Server::Impl::write_checkpoint_now(bool shards_running) {
   data.server_index = config.server.server_index;
   data.num_workers = config.cluster.num_workers;
   data.optimizer = config.optimizer.type;
+  data.hyper_parameters = OptimizerHyperParameters::of(config.optimizer);
   data.consistency = to_proto(config.server.consistency);
   data.created_unix_ns = static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(

@@ -276,6 +276,43 @@ TEST(ServerRecovery, ACheckpointRateOtherThanTheConfigsIsAppliedWithAWarning) {
   EXPECT_EQ(got, std::vector<float>(4, -1.25f));
 }
 
+// The other hyper-parameters come from the config at restart; one that
+// differs from the checkpoint's is named (the restored moments continue
+// under it), one the type does not use is not.
+TEST(ServerRecovery, OtherOptimizerSettingsThanTheCheckpointsAreNamed) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.optimizer = "adam";
+  spec.learning_rate = 0.1;
+  spec.extra_optimizer = "beta2 = 0.999\nmomentum = 0.9";
+  spec.checkpoint_dir = (dir / "ckpt").string();
+  const std::uint64_t shape[] = {4};
+  {
+    ServerProcess a(dir, spec, 0);
+    ASSERT_TRUE(a.ok());
+    auto w = connect_worker(spec, a.address(), 0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(1, shape, std::vector<float>(4, 0.0f)).wait());
+    std::vector<float> got(4);
+    ASSERT_TRUE(w->push_pull(1, std::vector<float>(4, 1.0f), got).wait());
+    ASSERT_TRUE(w->checkpoint().wait());
+  }
+  {
+    ServerProcess same(dir, spec, 0);
+    ASSERT_TRUE(same.ok());
+    EXPECT_NE(same.log().find("restored checkpoint"), std::string::npos) << same.log();
+    EXPECT_EQ(same.log().find("other [optimizer] settings"), std::string::npos) << same.log();
+  }
+  ClusterSpec changed = spec;
+  changed.extra_optimizer = "beta2 = 0.99\nmomentum = 0.5";  // momentum: not adam's
+  ServerProcess b(dir, changed, 0);
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE(b.log().find("was written with other [optimizer] settings: beta2 0.999 (now 0.99); "
+                         "this config's apply to the restored state from the next update on"),
+            std::string::npos)
+      << b.log();
+}
+
 // An unusable checkpoint_dir is refused at start, naming the path, the errno
 // text and the knob, not found out at SIGTERM after the whole job.
 // A checkpoint cut with another partition_bytes, or written by a job with

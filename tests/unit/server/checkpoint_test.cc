@@ -25,6 +25,7 @@ CheckpointData sample(std::uint64_t seq) {
   d.optimizer = config::OptimizerType::kAdam;
   d.consistency = proto::Consistency::kBsp;
   d.learning_rate = 0.001;
+  d.hyper_parameters = OptimizerHyperParameters{0.5, true, 0.8, 0.99, 1e-6, 0.25, 0.125};
   for (std::uint64_t k = 0; k < 3; ++k) {
     EntrySnapshot e;
     e.key = 100 + k;
@@ -54,6 +55,75 @@ TEST(Checkpoint, RoundTripsEveryField) {
   auto parsed = parse_checkpoint(serialize_checkpoint(d));
   ASSERT_TRUE(parsed) << parsed.error().to_string();
   EXPECT_EQ(*parsed, d);
+}
+
+// Files written before the hyper-parameters were stored (format 1, a 64-byte
+// header) are still read, without them.
+TEST(Checkpoint, FormatOneFilesAreStillRead) {
+  CheckpointData d = sample(5);
+  d.hyper_parameters.reset();
+  const auto v1 = serialize_checkpoint(d);
+  const auto v2 = serialize_checkpoint(sample(5));
+  EXPECT_EQ(v1[8], std::byte{1});
+  EXPECT_EQ(v2[8], std::byte{2});
+  EXPECT_EQ(v2.size(), v1.size() + 64);
+  auto parsed = parse_checkpoint(v1);
+  ASSERT_TRUE(parsed) << parsed.error().to_string();
+  EXPECT_EQ(*parsed, d);
+  for (std::size_t len = 0; len < v1.size(); ++len) {
+    EXPECT_FALSE(parse_checkpoint(std::span(v1).first(len))) << len;
+  }
+  auto future = v2;
+  future[8] = std::byte{3};
+  auto refused = parse_checkpoint(future);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("format version 3 (this build reads 1 and 2)"),
+            std::string::npos)
+      << refused.error().message();
+}
+
+TEST(Checkpoint, HyperParametersNoServerWritesAreCorrupt) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (int field = 0; field < 6; ++field) {
+    CheckpointData d = sample(2);
+    OptimizerHyperParameters& h = *d.hyper_parameters;
+    switch (field) {
+      case 0: h.momentum = 1.0; break;
+      case 1: h.beta1 = -0.1; break;
+      case 2: h.beta2 = nan; break;
+      case 3: h.epsilon = 0.0; break;
+      case 4: h.weight_decay = -1.0; break;
+      case 5: h.initial_accumulator = std::numeric_limits<double>::infinity(); break;
+    }
+    auto parsed = parse_checkpoint(serialize_checkpoint(d));
+    ASSERT_FALSE(parsed) << field;
+    EXPECT_EQ(parsed.error().code(), ErrorCode::kCorrupt) << field;
+    EXPECT_NE(parsed.error().message().find("optimizer hyper-parameters no server writes"),
+              std::string::npos)
+        << parsed.error().message();
+  }
+}
+
+// Only what the configured type uses is compared: an sgd server does not
+// care about beta2. epsilon and weight_decay compare as resolved.
+TEST(Checkpoint, ChangedHyperParametersNamesWhatTheTypeUses) {
+  config::OptimizerConfig c;
+  c.type = config::OptimizerType::kAdamW;
+  const OptimizerHyperParameters written = OptimizerHyperParameters::of(c);
+  EXPECT_EQ(written.weight_decay, 0.01);
+  EXPECT_EQ(written.epsilon, 1e-8);
+  EXPECT_EQ(changed_hyper_parameters(written, c), "");
+  c.beta2 = 0.99;
+  c.weight_decay = 0.0;
+  c.momentum = 0.5;  // not used by adamw
+  EXPECT_EQ(changed_hyper_parameters(written, c), "beta2 0.999 (now 0.99), weight_decay 0.01 (now 0)");
+  c.type = config::OptimizerType::kSgd;
+  c.weight_decay = 0.01;
+  EXPECT_EQ(changed_hyper_parameters(written, c), "");
+  c.type = config::OptimizerType::kMomentum;
+  c.nesterov = true;
+  EXPECT_EQ(changed_hyper_parameters(written, c),
+            "momentum 0.9 (now 0.5), nesterov false (now true)");
 }
 
 TEST(Checkpoint, EmptyCheckpointRoundTrips) {
