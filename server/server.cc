@@ -200,7 +200,8 @@ struct Server::Impl final : ReplySink {
   std::vector<std::uint8_t> rank_lost;          // guarded by conns_mutex
   std::condition_variable_any conns_cv;
   std::atomic<std::uint64_t> next_conn_id{1};
-  // Counters of closed connections, folded into the byte/frame gauges.
+  // Counters of closed connections (refused joins included), folded into
+  // the byte/frame counters. Taken inside conns_mutex, never around it.
   std::mutex closed_stats_mutex;
   transport::ConnectionStats closed_stats;
 
@@ -841,6 +842,19 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
     auto it = by_ptr.find(&conn);
     if (it == by_ptr.end()) return;  // refused at accept
     state = it->second;
+    // Its bytes leave by_id, where refresh_metrics counts live connections:
+    // they go to closed_stats first (a refused join's too), so the totals
+    // never lose them between two scrapes.
+    {
+      const transport::ConnectionStats s = conn.stats();
+      std::lock_guard stats_lock(closed_stats_mutex);
+      closed_stats.bytes_received += s.bytes_received;
+      closed_stats.bytes_sent += s.bytes_sent;
+      closed_stats.frames_received += s.frames_received;
+      closed_stats.frames_sent += s.frames_sent;
+      closed_stats.messages_received += s.messages_received;
+      closed_stats.messages_sent += s.messages_sent;
+    }
     by_ptr.erase(it);
     by_id.erase(state->id);
     if (state->refused) {
@@ -854,16 +868,6 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
     }
   }
   conns_cv.notify_all();
-  {
-    const transport::ConnectionStats s = conn.stats();
-    std::lock_guard lock(closed_stats_mutex);
-    closed_stats.bytes_received += s.bytes_received;
-    closed_stats.bytes_sent += s.bytes_sent;
-    closed_stats.frames_received += s.frames_received;
-    closed_stats.frames_sent += s.frames_sent;
-    closed_stats.messages_received += s.messages_received;
-    closed_stats.messages_sent += s.messages_sent;
-  }
   if (reason.code() == ErrorCode::kChecksumMismatch) checksum_failures->inc();
   if (reason.code() == ErrorCode::kMalformedFrame) bad_messages->inc();
   if (reason.code() == ErrorCode::kClosed || reason.code() == ErrorCode::kCancelled) {
@@ -1427,13 +1431,15 @@ void Server::Impl::checkpoint_loop() {
 
 void Server::Impl::refresh_metrics() {
   transport::ConnectionStats total;
-  {
-    std::lock_guard lock(closed_stats_mutex);
-    total = closed_stats;
-  }
   std::uint32_t connected = 0;
   {
+    // conns_mutex first, as on_closed takes them: a connection is then
+    // either still in by_id or already in closed_stats.
     std::shared_lock lock(conns_mutex);
+    {
+      std::lock_guard stats_lock(closed_stats_mutex);
+      total = closed_stats;
+    }
     for (const auto& [id, c] : by_id) {
       const auto s = c->conn->stats();
       total.bytes_received += s.bytes_received;

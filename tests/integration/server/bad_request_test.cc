@@ -27,6 +27,7 @@
 #include "common/proto/message.h"
 #include "common/transport/transport.h"
 #include "tests/integration/server/harness.h"
+#include "tests/integration/server/workers.h"
 #include "worker/worker.h"
 
 namespace ember::test {
@@ -1043,6 +1044,39 @@ TEST(ServerMetrics, EndpointServesPrometheusText) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " missing in:\n" << text;
   }
   EXPECT_NE(http_get(server.metrics_address(), "/nope").find("404"), std::string::npos);
+}
+
+// A refused join still brought its bytes and messages: they stay in the
+// totals once its connection is gone (they were dropped with it, so the
+// counters lagged until other traffic caught up).
+TEST(ServerMetrics, ARefusedConnectionsTrafficStaysCounted) {
+  TempDir dir;
+  ClusterSpec spec;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(w);
+  const auto scrape = [&](const char* name) {
+    return metric_value(http_get(server.metrics_address(), "/metrics"), name);
+  };
+  const long messages_before = scrape("ember_server_messages_received_total");
+  const long bytes_before = scrape("ember_server_bytes_received_total");
+  // Rank 0 again, while the first is connected: refused at its join.
+  auto twin = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_FALSE(twin);
+  ASSERT_NE(twin.error().to_string().find("already connected"), std::string::npos)
+      << twin.error().to_string();
+  // The server handles the close asynchronously. No scrape until it has
+  // (a scrape of the live connection would raise the counters, and they
+  // never go down): then its traffic counts through closed connections only.
+  std::this_thread::sleep_for(1s);
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (scrape("ember_server_messages_received_total") < messages_before + 1 &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_GE(scrape("ember_server_messages_received_total"), messages_before + 1);
+  EXPECT_GT(scrape("ember_server_bytes_received_total"), bytes_before);
 }
 
 }  // namespace
