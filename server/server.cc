@@ -39,6 +39,17 @@
 namespace ember::server {
 namespace {
 
+// The traffic counters the server exports (bytes, frames, messages each
+// way), summed over connections.
+void add_traffic(transport::ConnectionStats& total, const transport::ConnectionStats& s) {
+  total.bytes_received += s.bytes_received;
+  total.bytes_sent += s.bytes_sent;
+  total.frames_received += s.frames_received;
+  total.frames_sent += s.frames_sent;
+  total.messages_received += s.messages_received;
+  total.messages_sent += s.messages_sent;
+}
+
 proto::Consistency to_proto(config::Consistency c) {
   switch (c) {
     case config::Consistency::kBsp: return proto::Consistency::kBsp;
@@ -848,12 +859,7 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
     {
       const transport::ConnectionStats s = conn.stats();
       std::lock_guard stats_lock(closed_stats_mutex);
-      closed_stats.bytes_received += s.bytes_received;
-      closed_stats.bytes_sent += s.bytes_sent;
-      closed_stats.frames_received += s.frames_received;
-      closed_stats.frames_sent += s.frames_sent;
-      closed_stats.messages_received += s.messages_received;
-      closed_stats.messages_sent += s.messages_sent;
+      add_traffic(closed_stats, s);
     }
     by_ptr.erase(it);
     by_id.erase(state->id);
@@ -1440,15 +1446,7 @@ void Server::Impl::refresh_metrics() {
       std::lock_guard stats_lock(closed_stats_mutex);
       total = closed_stats;
     }
-    for (const auto& [id, c] : by_id) {
-      const auto s = c->conn->stats();
-      total.bytes_received += s.bytes_received;
-      total.bytes_sent += s.bytes_sent;
-      total.frames_received += s.frames_received;
-      total.frames_sent += s.frames_sent;
-      total.messages_received += s.messages_received;
-      total.messages_sent += s.messages_sent;
-    }
+    for (const auto& [id, c] : by_id) add_traffic(total, c->conn->stats());
     for (auto n : rank_connections) connected += n > 0 ? 1 : 0;
   }
   workers_connected->set(connected);

@@ -227,6 +227,13 @@ Field uint_field(std::string_view table, std::string_view key, std::string_view 
   return f;
 }
 
+// A TOML float or integer as a double; nullopt for any other type.
+std::optional<double> number_of(const toml::value& v) {
+  if (v.is_floating()) return v.as_floating();
+  if (v.is_integer()) return static_cast<double>(v.as_integer());
+  return std::nullopt;
+}
+
 template <typename Sub>
 Field double_field(std::string_view table, std::string_view key, std::string_view doc,
                    Member<Sub, double> m, std::function<Problem(double)> in_range) {
@@ -234,17 +241,13 @@ Field double_field(std::string_view table, std::string_view key, std::string_vie
   const std::string example = double_text(m(defaults));
   Field f{table, key, doc};
   f.set = [=](Config& c, const toml::value& v) -> Problem {
-    double x = 0;
-    if (v.is_floating()) {
-      x = v.as_floating();
-    } else if (v.is_integer()) {
-      x = static_cast<double>(v.as_integer());
-    } else {
+    const std::optional<double> x = number_of(v);
+    if (!x) {
       return fmt::format("must be a number, got {}; write e.g. {} = {}", describe(v), key,
                          example);
     }
-    if (auto p = in_range(x)) return p;
-    m(c) = x;
+    if (auto p = in_range(*x)) return p;
+    m(c) = *x;
     return std::nullopt;
   };
   f.check = [=](const Config& c) { return in_range(m(c)); };
@@ -260,20 +263,17 @@ Field auto_double_field(std::string_view table, std::string_view key, std::strin
                         std::string_view example) {
   Field f{table, key, doc};
   f.set = [=](Config& c, const toml::value& v) -> Problem {
-    double x = 0;
-    if (v.is_floating()) {
-      x = v.as_floating();
-    } else if (v.is_integer()) {
-      x = static_cast<double>(v.as_integer());
-    } else if (v.is_string() && v.as_string().str == "auto") {
+    if (v.is_string() && v.as_string().str == "auto") {
       m(c).reset();
       return std::nullopt;
-    } else {
+    }
+    const std::optional<double> x = number_of(v);
+    if (!x) {
       return fmt::format("must be a number or \"auto\", got {}; write e.g. {} = {}", describe(v),
                          key, example);
     }
-    if (auto p = in_range(x)) return p;
-    m(c) = x;
+    if (auto p = in_range(*x)) return p;
+    m(c) = *x;
     return std::nullopt;
   };
   f.check = [=](const Config& c) { return m(c) ? in_range(*m(c)) : Problem{}; };

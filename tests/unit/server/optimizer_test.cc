@@ -23,15 +23,18 @@ OptimizerConfig make(OptimizerType type, double lr) {
   return c;
 }
 
-// Applies `steps` updates of gradient g to a one-element tensor p0.
-std::vector<float> run(const OptimizerConfig& c, float p0, std::vector<float> grads) {
+// Applies one update per gradient to a one-element tensor p0, and returns p
+// after each. `rates`, when given, sets the learning rate before each update.
+std::vector<float> run(const OptimizerConfig& c, float p0, std::vector<float> grads,
+                       std::vector<double> rates = {}) {
   auto opt = Optimizer::create(c);
   EXPECT_TRUE(opt) << opt.error().to_string();
   std::vector<float> p{p0};
   OptimizerState s = opt->make_state(1);
   std::vector<float> out;
-  for (float g : grads) {
-    const float gv[] = {g};
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (i < rates.size()) EXPECT_TRUE(opt->set_learning_rate(rates[i]));
+    const float gv[] = {grads[i]};
     opt->apply(p, gv, s);
     out.push_back(p[0]);
   }
@@ -121,18 +124,9 @@ TEST(Optimizer, AdamKeepsItsMomentsAcrossALearningRateChange) {
   c.beta1 = 0.9;
   c.beta2 = 0.5;
   c.epsilon = 0.1;
-  auto opt = Optimizer::create(c);
-  ASSERT_TRUE(opt) << opt.error().to_string();
-  std::vector<float> p{1.0f};
-  OptimizerState s = opt->make_state(1);
-  for (const float g : {0.5f, -0.25f}) {
-    const float gv[] = {g};
-    opt->apply(p, gv, s);
-  }
-  ASSERT_TRUE(opt->set_learning_rate(0.01));
-  const float gv[] = {1.0f};
-  opt->apply(p, gv, s);
-  EXPECT_NEAR(p[0], 0.888568838, 1e-6);  // 0.893458118 - 0.1 * (0.893458118 - 0.844565315)
+  auto p = run(c, 1.0f, {0.5f, -0.25f, 1.0f}, {0.1, 0.1, 0.01});
+  EXPECT_NEAR(p[1], 0.893458118, 1e-6);
+  EXPECT_NEAR(p[2], 0.888568838, 1e-6);  // 0.893458118 - 0.1 * (0.893458118 - 0.844565315)
 }
 
 // Adagrad adds eps to sqrt(s), not inside: with s = 0 + 0.25 and eps = 0.5,
