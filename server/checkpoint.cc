@@ -224,25 +224,39 @@ OptimizerHyperParameters OptimizerHyperParameters::of(const config::OptimizerCon
 
 std::string changed_hyper_parameters(const OptimizerHyperParameters& written,
                                      const config::OptimizerConfig& now) {
-  using T = config::OptimizerType;
-  const bool momentum = now.type == T::kMomentum;
-  const bool adam = now.type == T::kAdam || now.type == T::kAdamW;
-  const bool adagrad = now.type == T::kAdagrad;
+  const OptimizerUses u = optimizer_uses(now.type);
   const OptimizerHyperParameters n = OptimizerHyperParameters::of(now);
   std::vector<std::string> out;
   auto number = [&](bool used, const char* name, double was, double is) {
     if (used && was != is) out.push_back(fmt::format("{} {} (now {})", name, was, is));
   };
-  number(momentum, "momentum", written.momentum, n.momentum);
-  if (momentum && written.nesterov != n.nesterov) {
+  number(u.momentum, "momentum", written.momentum, n.momentum);
+  if (u.momentum && written.nesterov != n.nesterov) {
     out.push_back(fmt::format("nesterov {} (now {})", written.nesterov, n.nesterov));
   }
-  number(adam, "beta1", written.beta1, n.beta1);
-  number(adam, "beta2", written.beta2, n.beta2);
-  number(adam || adagrad, "epsilon", written.epsilon, n.epsilon);
+  number(u.betas, "beta1", written.beta1, n.beta1);
+  number(u.betas, "beta2", written.beta2, n.beta2);
+  number(u.epsilon, "epsilon", written.epsilon, n.epsilon);
   number(true, "weight_decay", written.weight_decay, n.weight_decay);
-  number(adagrad, "initial_accumulator", written.initial_accumulator, n.initial_accumulator);
+  number(u.initial_accumulator, "initial_accumulator", written.initial_accumulator,
+         n.initial_accumulator);
   return fmt::format("{}", fmt::join(out, ", "));
+}
+
+std::string format1_default_changes(const config::OptimizerConfig& now) {
+  using T = config::OptimizerType;
+  std::vector<std::string> out;
+  if (now.type == T::kAdamW && !now.weight_decay) {
+    out.push_back("adamw's weight_decay is 0.01 now (was 0); write weight_decay = 0 to keep it");
+  }
+  if (now.type == T::kAdagrad && !now.epsilon) {
+    out.push_back("adagrad's epsilon is 1e-10 now (was 1e-8); write epsilon = 1e-8 to keep it");
+  }
+  if (now.type == T::kAdagrad && now.initial_accumulator == 0.0) {
+    out.push_back("initial_accumulator is 0 now (was 0.1 unless set), for keys init-ed from now "
+                  "on; write initial_accumulator = 0.1 to keep it");
+  }
+  return fmt::format("{}", fmt::join(out, "; "));
 }
 
 std::vector<std::byte> serialize_checkpoint(const CheckpointData& data) {

@@ -70,6 +70,13 @@ struct OptimizerHyperParameters {
 std::string changed_hyper_parameters(const OptimizerHyperParameters& written,
                                      const config::OptimizerConfig& now);
 
+// For a format 1 checkpoint (no hyper-parameters stored): the [optimizer]
+// defaults that changed since the builds that wrote format 1 and that `now`
+// leaves to them (adamw weight_decay 0 -> 0.01, adagrad epsilon 1e-8 ->
+// 1e-10 and initial_accumulator 0.1 -> 0), each with the line that keeps the
+// old value; "" when none applies.
+std::string format1_default_changes(const config::OptimizerConfig& now);
+
 struct CheckpointData {
   std::uint32_t server_index = 0;
   std::uint64_t sequence = 0;

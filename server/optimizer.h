@@ -44,6 +44,22 @@
 
 namespace ember::server {
 
+// Which [optimizer] numbers an optimizer type reads (learning_rate and
+// weight_decay: all of them). Servers compare only these (the join's
+// optimizer_check, a restore against its checkpoint): two sgd servers that
+// differ in an unused beta2 update alike.
+struct OptimizerUses {
+  bool momentum = false;  // momentum and nesterov
+  bool betas = false;     // beta1, beta2
+  bool epsilon = false;
+  bool initial_accumulator = false;
+};
+constexpr OptimizerUses optimizer_uses(config::OptimizerType t) noexcept {
+  using T = config::OptimizerType;
+  const bool adam = t == T::kAdam || t == T::kAdamW;
+  return {t == T::kMomentum, adam, adam || t == T::kAdagrad, t == T::kAdagrad};
+}
+
 // Per-chunk optimizer state, owned by the chunk's entry and checkpointed.
 struct OptimizerState {
   std::uint64_t num_updates = 0;  // t of the last update applied (0: none yet)

@@ -571,6 +571,11 @@ Status Server::Impl::restore_checkpoint() {
                 "checkpoint's values to resume the same run (docs/checkpoint-format.md)",
                 loaded.path.string(), changed);
     }
+  } else if (const std::string changed = format1_default_changes(config.optimizer);
+             !changed.empty()) {
+    log->warn("checkpoint '{}' is in format 1, written by an earlier build whose [optimizer] "
+              "defaults differ where this config sets nothing: {} (docs/checkpoint-format.md)",
+              loaded.path.string(), changed);
   }
   EMBER_TRY(check_checkpoint_layout(d, loaded.path.string()));
   const std::size_t n = d.entries.size();
@@ -1548,17 +1553,13 @@ Status check_listen_address(const config::Config& config) {
 }
 
 std::array<double, 7> optimizer_numbers(const config::OptimizerConfig& o) {
-  using T = config::OptimizerType;
-  // Only what the type reads: two sgd servers that differ in an unused
-  // beta2 apply the same updates. -0.0 is 0.0.
+  // Only what the type reads (optimizer_uses). -0.0 is 0.0.
   auto used = [](bool use, double v) { return use && v != 0.0 ? v : 0.0; };
-  const bool momentum = o.type == T::kMomentum;
-  const bool adam = o.type == T::kAdam || o.type == T::kAdamW;
-  const bool adagrad = o.type == T::kAdagrad;
-  return {used(true, o.learning_rate),     used(momentum, o.momentum),
-          used(adam, o.beta1),             used(adam, o.beta2),
-          used(adam || adagrad, o.epsilon_or_default()), used(true, o.weight_decay_or_default()),
-          used(adagrad, o.initial_accumulator)};
+  const OptimizerUses u = optimizer_uses(o.type);
+  return {used(true, o.learning_rate),       used(u.momentum, o.momentum),
+          used(u.betas, o.beta1),            used(u.betas, o.beta2),
+          used(u.epsilon, o.epsilon_or_default()), used(true, o.weight_decay_or_default()),
+          used(u.initial_accumulator, o.initial_accumulator)};
 }
 
 Status check_checkpoint_dir(const config::Config& config) {

@@ -126,6 +126,28 @@ TEST(Checkpoint, ChangedHyperParametersNamesWhatTheTypeUses) {
             "momentum 0.9 (now 0.5), nesterov false (now true)");
 }
 
+// A format 1 file's builds had other defaults; only what the config leaves
+// to the (changed) default is named.
+TEST(Checkpoint, FormatOneDefaultChangesNameWhatTheConfigLeavesUnset) {
+  config::OptimizerConfig c;
+  c.type = config::OptimizerType::kAdamW;
+  EXPECT_EQ(format1_default_changes(c),
+            "adamw's weight_decay is 0.01 now (was 0); write weight_decay = 0 to keep it");
+  c.weight_decay = 0.0;
+  EXPECT_EQ(format1_default_changes(c), "");
+  c.type = config::OptimizerType::kAdagrad;
+  const std::string adagrad = format1_default_changes(c);
+  EXPECT_NE(adagrad.find("adagrad's epsilon is 1e-10 now (was 1e-8)"), std::string::npos) << adagrad;
+  EXPECT_NE(adagrad.find("initial_accumulator is 0 now (was 0.1 unless set)"), std::string::npos)
+      << adagrad;
+  c.epsilon = 1e-8;
+  c.initial_accumulator = 0.1;
+  EXPECT_EQ(format1_default_changes(c), "");
+  c.type = config::OptimizerType::kAdam;
+  c.epsilon.reset();
+  EXPECT_EQ(format1_default_changes(c), "");  // adam's defaults did not change
+}
+
 TEST(Checkpoint, EmptyCheckpointRoundTrips) {
   CheckpointData d;
   d.sequence = 1;

@@ -165,12 +165,14 @@ TEST(Optimizer, UnsetHyperParametersTakePyTorchsDefaults) {
   w.learning_rate = 0.1;
   auto p = run(w, 1.0f, {0.0f});
   EXPECT_FLOAT_EQ(p[0], 0.999f);
-  // Adagrad with its defaults: s = 0.25, p = 1 - 0.1 * 0.5 / (0.5 + 1e-10).
+  // Adagrad with its defaults and a gradient small enough for eps to show:
+  // s = 1e-16, p = 1 - 0.1 * 1e-8 / (1e-8 + 1e-10) = 1 - 0.1 / 1.01
+  // (with eps 1e-8 it would be 0.95).
   OptimizerConfig a;
   a.type = OptimizerType::kAdagrad;
   a.learning_rate = 0.1;
-  p = run(a, 1.0f, {0.5f});
-  EXPECT_FLOAT_EQ(p[0], 0.9f);
+  p = run(a, 1.0f, {1e-8f});
+  EXPECT_NEAR(p[0], 1.0 - 0.1 / 1.01, 1e-6);
 }
 
 // Double-precision reference of optimizer.h's formulas.

@@ -1,6 +1,7 @@
 // Shard thread: items flow through the ring, and past a full lane through
 // the overflow list, without losing the producer's order.
 #include "server/shard.h"
+#include "server/server.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -251,6 +252,33 @@ TEST(ShardOf, SpreadsSmallKeysOverTheShards) {
     EXPECT_GT(n, 800);
     EXPECT_LT(n, 1200);
   }
+}
+
+// The join's optimizer_check digests resolved numbers: "auto" and the value
+// it stands for are the same job; another value is not; an unused field
+// does not count.
+TEST(OptimizerNumbers, AutoDigestsAsTheValueItStandsFor) {
+  const auto check = [](const config::OptimizerConfig& o) {
+    const auto n = optimizer_numbers(o);
+    return proto::optimizer_check(n);
+  };
+  config::OptimizerConfig automatic;
+  automatic.type = config::OptimizerType::kAdamW;
+  config::OptimizerConfig written = automatic;
+  written.weight_decay = 0.01;
+  written.epsilon = 1e-8;
+  EXPECT_EQ(check(automatic), check(written));
+  written.weight_decay = 0.0;
+  EXPECT_NE(check(automatic), check(written));
+
+  config::OptimizerConfig adagrad;
+  adagrad.type = config::OptimizerType::kAdagrad;
+  config::OptimizerConfig adagrad_old = adagrad;
+  adagrad_old.epsilon = 1e-8;  // an earlier build's default
+  EXPECT_NE(check(adagrad), check(adagrad_old));
+  adagrad_old.epsilon = 1e-10;
+  adagrad_old.beta2 = 0.5;  // adagrad does not read it
+  EXPECT_EQ(check(adagrad), check(adagrad_old));
 }
 
 }  // namespace
