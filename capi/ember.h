@@ -255,7 +255,9 @@ EMBER_API int ember_buffer_info(const ember_worker* worker, const void* data, si
  *   element count), EMBER_E_TOO_LARGE (the tensor is larger than this
  *   host's physical memory: every rank pulls all of it), EMBER_E_SHAPE_MISMATCH
  *   (the key exists with another shape), EMBER_E_WORKER_LOST (rank 0 lost
- *   while waiting), EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
+ *   while waiting), EMBER_E_CLOSED, EMBER_E_TIMEOUT. After a failed init the
+ *   key is not this worker's: its push and pull fail with EMBER_E_NOT_FOUND
+ *   until an init succeeds. */
 EMBER_API int ember_init(ember_worker* worker, uint64_t key, const uint64_t* shape, size_t ndim,
                          const float* values, size_t num_values, uint64_t* out_step);
 
@@ -265,7 +267,8 @@ EMBER_API int ember_init(ember_worker* worker, uint64_t key, const uint64_t* sha
  * Ownership: gradient is read during the call only.
  * Errors: EMBER_E_INVALID_ARGUMENT (worker/gradient NULL, num_elements not
  *   the key's element count), EMBER_E_NOT_FOUND (key not init-ed by this
- *   worker), EMBER_E_SHAPE_MISMATCH, EMBER_E_STALE (bsp: the step's round is
+ *   worker, or its init failed), EMBER_E_SHAPE_MISMATCH, EMBER_E_STALE (bsp:
+ *   the step's round is
  *   over), EMBER_E_OUT_OF_STEP (bsp: the server is at an earlier step; the
  *   key's step is now the server's, see ember_step), EMBER_E_CLOSED,
  *   EMBER_E_TIMEOUT, EMBER_E_IO (a server stayed unreachable: "cannot

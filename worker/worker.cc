@@ -221,6 +221,12 @@ struct KeyState {
   // while some are unanswered overtook this worker's own pushes (a direct
   // pull beside an unflushed pipeline): its step is not reset then.
   std::atomic<std::uint32_t> pushes_unanswered{0};
+  // Its init: kInitPending while in flight, kInitDone once one succeeded,
+  // kInitFailed when it failed before any did. A failed key is not this
+  // worker's: pushes and pulls of it are refused (not sent with a layout the
+  // servers refused), and the next init starts over, with any shape.
+  static constexpr int kInitPending = 0, kInitDone = 1, kInitFailed = 2;
+  std::atomic<int> init_state{kInitPending};
 };
 
 // One request ready to go to a server channel.
@@ -1884,6 +1890,9 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
   {
     std::unique_lock lock(keys_mutex);
     auto& slot = keys[key];
+    if (slot && slot->init_state.load(std::memory_order_acquire) == KeyState::kInitFailed) {
+      slot = nullptr;  // its init failed: start over
+    }
     if (slot && !std::equal(slot->shape.begin(), slot->shape.end(), shape.begin(), shape.end())) {
       return Handle::failed(Error(ErrorCode::kShapeMismatch,
                                   fmt::format("key {} was init-ed here with shape [{}]; now [{}]",
@@ -1910,7 +1919,15 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
                                rank0 ? "" : " (it waits until rank 0 has registered the key: is "
                                             "rank 0 running and calling init of it?)"));
   op->before_done = [ks](const Result<std::uint64_t>& r) {
-    if (r) ks->next_step.store(*r, std::memory_order_release);
+    if (r) {
+      ks->next_step.store(*r, std::memory_order_release);
+      ks->init_state.store(KeyState::kInitDone, std::memory_order_release);
+      return;
+    }
+    // Refused (another shape on the servers, rank 0 lost, a timeout): unless
+    // another init of it succeeded, the key is not this worker's.
+    int pending = KeyState::kInitPending;
+    ks->init_state.compare_exchange_strong(pending, KeyState::kInitFailed, std::memory_order_acq_rel);
   };
   const auto value_bytes = std::as_bytes(values);
   for (const placement::Chunk& ch : ks->chunks) {
@@ -1948,6 +1965,13 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
     return Handle::failed(Error(ErrorCode::kNotFound,
                                 fmt::format("{} of key {}: the key was not init-ed by this worker; "
                                             "call init(key, shape, values) first",
+                                            proto::msg_type_name(type), key)));
+  }
+  if (ks->init_state.load(std::memory_order_acquire) == KeyState::kInitFailed) {
+    return Handle::failed(Error(ErrorCode::kNotFound,
+                                fmt::format("{} of key {}: its init failed, so the key is not "
+                                            "this worker's; call init(key, shape, values) again "
+                                            "(with the job's shape, if it was refused for its shape)",
                                             proto::msg_type_name(type), key)));
   }
   const bool sends = type == proto::MsgType::kPush || type == proto::MsgType::kPushPull;

@@ -242,11 +242,13 @@ class Worker {
   // Errors (in the Handle): kInvalidArgument (sizes), kTooLarge (the tensor
   // is larger than this host's physical memory: every rank pulls all of it),
   // kShapeMismatch (the key exists with another shape), kWorkerLost (rank 0
-  // lost while waiting).
+  // lost while waiting). After a failed init the key is not this worker's:
+  // its pushes and pulls fail with kNotFound until an init succeeds (with
+  // any shape).
   Handle init(Key key, std::span<const std::uint64_t> shape, std::span<const float> values);
 
-  // Errors: kNotFound (key not init-ed by this worker, or unknown on the
-  // server), kInvalidArgument (gradient.size() != elements; or, from the
+  // Errors: kNotFound (key not init-ed by this worker, or its init failed,
+  // or unknown on the server), kInvalidArgument (gradient.size() != elements; or, from the
   // server, a step more than 64 steps past the key's open round: pull
   // first), kShapeMismatch,
   // kStale (bsp: the step's round is over), kOutOfStep (bsp: the server is

@@ -25,6 +25,17 @@ worker still open is closed.
 Asynchrony. push_async / pull_async / push_pull_async and pipeline().enqueue
 return a Future. The arrays an operation reads or writes are kept alive by
 the worker until the operation is done, whether or not the Future is kept.
+A gradient is read when it is sent, not when it is enqueued: leave it
+unchanged until the Future is done. Requests cannot be withdrawn: leaving a
+`with w.pipeline()` block by an exception still sends what was enqueued.
+Future.result() is interrupted by Ctrl-C at once; the blocking calls (push,
+pull, push_pull, barrier) return to Python, and so to signal handlers, only
+when their operation ends (at most [worker] request_timeout).
+
+Processes. A Worker belongs to the process that created it: in a child made
+by fork() it is closed (EmberError E_CLOSED saying so; exiting the child is
+fine). Create workers in the child, or use multiprocessing's 'spawn' start
+method.
 
 Errors are EmberError (code, name, message: Ember's text naming the cause
 and what to do). Bad Python arguments (a negative key, an `out` of the wrong
@@ -39,6 +50,7 @@ import ctypes
 import math
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -77,6 +89,15 @@ def _closed_error():
     return EmberError(_native.E_CLOSED, "closed: this ember.Worker is closed")
 
 
+def _forked_error(pid):
+    return EmberError(_native.E_CLOSED,
+                      "closed: this ember.Worker belongs to process %d, and this is a forked "
+                      "child (process %d): the worker's connections and I/O threads stayed with "
+                      "the parent. Create a new Worker in the child (multiprocessing: use the "
+                      "'spawn' or 'forkserver' start method, or create it inside the target)"
+                      % (pid, os.getpid()))
+
+
 def version():
     """The loaded library's version string, e.g. "0.1.0"."""
     return lib.ember_version().decode()
@@ -89,6 +110,7 @@ def set_log_level(level):
 
 
 _YEAR_S = 365 * 24 * 3600.0  # ember_wait waits until done from a year on
+_WAIT_SLICE_MS = 100  # Future.result waits this long at a time (signals run between)
 
 
 def _key(key):
@@ -185,8 +207,12 @@ class _Native:
         self.closing = False
         self.destroyed = False
         self.pending = {}  # id(Future) -> Future, until done
+        self.pid = os.getpid()
+        self.forked = False  # this is a forked child's copy: never call the library
 
     def check_open(self):
+        if self.forked:
+            raise _forked_error(self.pid)
         if self.closing or self.destroyed:
             raise _closed_error()
 
@@ -225,6 +251,8 @@ class _Native:
 
     # -- closing
     def close(self):
+        if self.forked:
+            return  # the parent's worker: nothing of it is this process's to close
         self.wait_pending()
         with self.lock:
             self.closing = True
@@ -253,6 +281,23 @@ def _close_all_at_exit():
         native.destroy_now()
 
 
+def _after_fork_in_child():
+    # A forked child has the parent's handles but none of its I/O threads:
+    # any call into the library would wait forever (a destroy at exit
+    # included) or send on the parent's connections as the parent's rank.
+    # Every worker becomes unusable here, with an error that says why.
+    for native in list(_live_natives):
+        native.forked = True
+        native.destroyed = True  # no ember_free / ember_worker_destroy either
+        native.closing = True
+        native.lock = threading.RLock()  # another thread may have held it at the fork
+        native.pending = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _BufferOwner:
     """Frees one pool buffer when the last numpy view of it is gone."""
 
@@ -274,8 +319,9 @@ class Future:
     done, bounded by the config's [worker] request_timeout) and returns the
     operation's value (a pull's `out` array, a push's step), or raises
     EmberError, or TimeoutError when `timeout` passed first (the operation
-    keeps running). done() never blocks. step is the operation's step once
-    done (see Worker.push / Worker.pull).
+    keeps running). It waits in slices of 100 ms, so Ctrl-C (KeyboardInterrupt)
+    interrupts it at once; the operation keeps running. done() never blocks.
+    step is the operation's step once done (see Worker.push / Worker.pull).
     """
 
     def __init__(self, native, request, value, keep, flush=None):
@@ -295,6 +341,8 @@ class Future:
         """Waits up to timeout_ms (-1: until done); True when done. Several
         threads may wait at once: the native request is freed by the last
         one to leave ember_wait after it finished, never under another."""
+        if self._native.forked and not self._finished:
+            raise _forked_error(self._native.pid)
         with self._lock:
             finished = self._finished
             if not finished:
@@ -336,11 +384,18 @@ class Future:
             self._flush()  # a queued pipeline operation would never finish unsent
         if timeout is not None and timeout != timeout:
             raise ValueError("timeout must be a number of seconds or None, got nan")
+        # Waits in slices, so that Python runs its signal handlers (Ctrl-C:
+        # KeyboardInterrupt) between them instead of after request_timeout.
         if timeout is None or timeout >= _YEAR_S:
             # (from a year on, inf included: until done, as ember_wait does)
-            self._poll(_native.WAIT_FOREVER)
-        elif not self._poll(max(0, int(timeout * 1000))):
-            raise TimeoutError("ember operation still running after %.3f s" % timeout)
+            while not self._poll(_WAIT_SLICE_MS):
+                pass
+        else:
+            deadline = time.monotonic() + max(0.0, timeout)
+            while not self._poll(max(0, min(_WAIT_SLICE_MS,
+                                            int((deadline - time.monotonic()) * 1000)))):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("ember operation still running after %.3f s" % timeout)
         if self._error is not None:
             raise self._error
         return self._step if self._value is None else self._value

@@ -223,3 +223,78 @@ def test_rejoin_mid_step_follows_the_documented_rule(start_server):
     finally:
         w0.close()
         w1.close()
+
+
+def test_a_forked_child_cannot_use_the_worker_and_exits(server):
+    """A forked child has the parent's handles but not its I/O threads: it
+    used to hang at exit (the atexit close) and to send on the parent's
+    connection as the parent's rank."""
+    import os
+    import time
+
+    with ember.Worker(server.config_path, rank=0) as w:
+        w.init(3, values=np.zeros(4, np.float32))
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            code = 1
+            try:
+                try:
+                    w.push(3, np.ones(4, np.float32))
+                except ember.EmberError as e:
+                    if e.code == ember.E_CLOSED and "forked child" in str(e):
+                        code = 0
+                w.close()
+                ember.worker._close_all_at_exit()  # what exiting runs
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 20
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not exit within 20 s")
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        # The parent's worker is untouched: step 0 is still its to push.
+        assert w.push(3, np.ones(4, np.float32)) == 0
+
+
+def test_result_is_interrupted_by_a_signal(start_server):
+    """Future.result() waits in slices: a signal handler's exception (Ctrl-C)
+    comes through at once, not after request_timeout (20 s here)."""
+    import signal
+    import time
+
+    class Interrupted(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Interrupted()
+
+    s = start_server(num_workers=2, learning_rate=0.5)
+    w0 = ember.Worker(s.config_path, rank=0)
+    w1 = None
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        w0.init(6, values=np.zeros(2, np.float32))
+        f = w0.push_pull_async(6, np.ones(2, np.float32))  # waits for rank 1
+        t0 = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            f.result()
+        assert time.monotonic() - t0 < 5
+        # The operation kept running: rank 1 completes the round.
+        w1 = ember.Worker(s.config_path, rank=1)
+        w1.init(6, (2,))
+        w1.push_pull(6, np.ones(2, np.float32))
+        np.testing.assert_allclose(f.result(timeout=20), np.full(2, -0.5))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        w0.close()
+        if w1 is not None:
+            w1.close()

@@ -419,6 +419,36 @@ TEST(WorkerClient, AnOptimizerThatDiffersFromTheServersIsWarnedAboutOnce) {
   EXPECT_EQ(warnings, 1u);
 }
 
+// A refused init leaves the key unregistered on this worker: a push of it is
+// refused here (it used to be sent, with a layout the servers had refused,
+// and averaged with the other rank's), and init may be called again.
+TEST(WorkerClient, AKeyWhoseInitFailedIsNotPushed) {
+  LocalServer s(base_config(2));
+  auto w0 = s.worker(0);
+  auto w1 = s.worker(1);
+  ASSERT_TRUE(w0 && w1);
+  const std::uint64_t rows_cols[] = {4, 3};
+  const std::uint64_t cols_rows[] = {3, 4};
+  const std::vector<float> values(12, 1.0f);
+  ASSERT_TRUE(w0->init(5, rows_cols, values).wait());
+  auto refused = w1->init(5, cols_rows, {}).wait();
+  ASSERT_FALSE(refused);
+  ASSERT_EQ(refused.error().code(), ErrorCode::kShapeMismatch) << refused.error().to_string();
+  std::vector<float> out(12);
+  auto pushed = w1->push_pull(5, values, out).wait();
+  ASSERT_FALSE(pushed);
+  EXPECT_EQ(pushed.error().code(), ErrorCode::kNotFound);
+  EXPECT_NE(pushed.error().message().find("its init failed"), std::string::npos)
+      << pushed.error().to_string();
+  // With the job's shape it is this worker's key again.
+  ASSERT_TRUE(w1->init(5, rows_cols, {}).wait());
+  auto h0 = w0->push_pull(5, values, out);
+  std::vector<float> out1(12);
+  ASSERT_TRUE(w1->push_pull(5, values, out1).wait());
+  ASSERT_TRUE(h0.wait());
+  EXPECT_EQ(out, out1);
+}
+
 // A request that already failed (here: timed out) stays in the pending table
 // for a late reply; closing the worker then does not report it again as a
 // request that failed with the connection.
