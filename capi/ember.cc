@@ -385,8 +385,6 @@ EMBER_API int ember_worker_create(const char* config_path, int64_t rank,
       if (overrides[i] == nullptr) return invalid(fn, fmt::format("overrides[{}] is NULL", i));
       sets.emplace_back(overrides[i]);
     }
-    // The rank goes last so it wins over an override of worker.rank.
-    if (rank >= 0) sets.push_back(fmt::format("worker.rank={}", rank));
     {
       std::lock_guard lock(g_logging_mutex);
       std::call_once(g_default_logging, [] {
@@ -400,7 +398,15 @@ EMBER_API int ember_worker_create(const char* config_path, int64_t rank,
         }
       });
     }
-    auto created = ember::Worker::create_from_file(config_path, sets);
+    // The rank is set after the overrides, so it wins over one of
+    // worker.rank, and a rank outside the job is named as the argument.
+    EMBER_ASSIGN_OR_RETURN(ember::config::Config config, ember::config::load_config_file(config_path));
+    EMBER_TRY(ember::config::apply_overrides(config, sets));
+    if (rank >= 0) {
+      ember::config::set_worker_rank(config, static_cast<std::uint32_t>(rank));
+      EMBER_TRY(ember::config::validate(config, fmt::format("the rank argument ({})", rank)));
+    }
+    auto created = ember::Worker::create(config);
     if (!created) return tl::unexpected(std::move(created).error());
     auto w = std::make_unique<ember_worker>();
     w->worker = std::move(*created);

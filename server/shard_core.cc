@@ -138,7 +138,9 @@ void ShardCore::reply_init(const Entry& e, const Request& request,
   Status layout = check_layout(e, h);
   if (layout && !std::equal(shape.begin(), shape.end(), e.shape.begin(), e.shape.end())) {
     layout = make_error(ErrorCode::kShapeMismatch,
-                        "{} was registered with shape [{}]; this init asks for [{}]",
+                        "{} was registered with shape [{}]; this init asks for [{}]: init a "
+                        "key with the shape it has (given by rank 0's first init, or restored "
+                        "from a checkpoint), or use another key",
                         entry_name(e.id), fmt::join(e.shape, ", "), fmt::join(shape, ", "));
   }
   if (!layout) {

@@ -371,6 +371,9 @@ std::uint64_t product(std::span<const std::uint64_t> shape, bool& overflow) {
 struct Worker::Impl {
   config::Config config;
   std::shared_ptr<spdlog::logger> log = log::logger("worker");
+  // Rank 0 was told once that its init values were not used (the servers
+  // had the key already, at a later step). Shared with init callbacks.
+  std::shared_ptr<std::atomic<bool>> resumed_warned = std::make_shared<std::atomic<bool>>(false);
   std::unique_ptr<memory::PagePool> pool;
   // Communication pattern recording ([communication] record_pattern); null
   // when off. Declared before the rings and links so that it outlives them.
@@ -1139,7 +1142,8 @@ void Worker::Impl::timer_loop() {
         // Under bsp/ssp the usual cause is another worker, not the network.
         note += "; under bsp and ssp a pull waits for the other workers' pushes of its step (ssp: "
                 "until the slowest worker is within [server] staleness steps): check that every "
-                "worker runs, and their steps with `emberctl status`";
+                "worker runs, and their steps with `emberctl status` (a worker that pushed a "
+                "step twice is one ahead of the others)";
       }
       const std::string what = op->what();
       op->fail(Error(ErrorCode::kTimeout,
@@ -1895,7 +1899,8 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
     }
     if (slot && !std::equal(slot->shape.begin(), slot->shape.end(), shape.begin(), shape.end())) {
       return Handle::failed(Error(ErrorCode::kShapeMismatch,
-                                  fmt::format("key {} was init-ed here with shape [{}]; now [{}]",
+                                  fmt::format("key {} was init-ed here with shape [{}]; now [{}]: "
+                                              "a key keeps its shape; use that one, or another key",
                                               key, fmt::join(slot->shape, ", "),
                                               fmt::join(shape, ", "))));
     }
@@ -1918,10 +1923,17 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
                    fmt::format("init of key {} on server(s) {}{}", key, ks->servers,
                                rank0 ? "" : " (it waits until rank 0 has registered the key: is "
                                             "rank 0 running and calling init of it?)"));
-  op->before_done = [ks](const Result<std::uint64_t>& r) {
+  op->before_done = [ks, key, rank0, logger = log, warned = resumed_warned](
+                        const Result<std::uint64_t>& r) {
     if (r) {
       ks->next_step.store(*r, std::memory_order_release);
       ks->init_state.store(KeyState::kInitDone, std::memory_order_release);
+      if (rank0 && *r > 0 && !warned->exchange(true)) {
+        logger->warn("key {} resumes at step {}: the servers hold it already (a running job, or "
+                     "a restored checkpoint), so rank 0's init values were not used; pull for the "
+                     "parameters and continue from the step init returned (said once per worker)",
+                     key, *r);
+      }
       return;
     }
     // Refused (another shape on the servers, rank 0 lost, a timeout): unless

@@ -468,6 +468,30 @@ TEST(WorkerClient, ClosingDoesNotReportRequestsThatAlreadyFailed) {
   EXPECT_EQ(log.text().find("request(s) failed"), std::string::npos) << log.text();
 }
 
+// Rank 0's init values are not used when the servers hold the key already
+// (here: rank 0 restarted; the same after a checkpoint restore): said once.
+TEST(WorkerClient, RankZerosInitOfAKeyTheServersHoldSaysItsValuesWereNotUsed) {
+  LocalServer s(base_config(1));
+  {
+    auto w = s.worker(0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+    ASSERT_TRUE(w->push(1, kInit).wait());
+  }
+  CapturedWorkerLog log;
+  auto again = s.worker(0);
+  ASSERT_TRUE(again);
+  auto r = again->init(1, kShape, std::vector<float>(4, 9.0f)).wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_EQ(*r, 1u);
+  ASSERT_TRUE(again->init(1, kShape, std::vector<float>(4, 9.0f)).wait());
+  const std::string text = log.text();
+  const std::string line = "key 1 resumes at step 1: the servers hold it already";
+  const auto at = text.find(line);
+  EXPECT_NE(at, std::string::npos) << text;
+  EXPECT_EQ(text.find(line, at + 1), std::string::npos) << "said once:\n" << text;
+}
+
 TEST(WorkerClient, SetLearningRateAppliesToLaterSteps) {
   LocalServer s(base_config(1));
   auto w = s.worker(0);

@@ -223,7 +223,13 @@ TEST(CapiCreate, BadOverrideAndRankBeyondNumWorkersAreConfigErrors) {
   EXPECT_EQ(ember_worker_create(path.c_str(), 0, bad, 1, &w), EMBER_E_CONFIG);
   EXPECT_THAT(last(), HasSubstr("no_such_key"));
   EXPECT_EQ(ember_worker_create(path.c_str(), 2, nullptr, 0, &w), EMBER_E_CONFIG);
-  EXPECT_THAT(last(), HasSubstr("rank"));
+  // Named as the argument it was, not as an override.
+  EXPECT_THAT(last(), HasSubstr("the rank argument (2): key 'worker.rank': 2 is not below "
+                                "cluster.num_workers = 2"));
+  // The argument wins over an override of worker.rank.
+  const char* rank0[] = {"worker.rank=0"};
+  EXPECT_EQ(ember_worker_create(path.c_str(), 3, rank0, 1, &w), EMBER_E_CONFIG);
+  EXPECT_THAT(last(), HasSubstr("the rank argument (3)"));
   EXPECT_EQ(w, nullptr);
 }
 
