@@ -241,6 +241,22 @@ TEST(ServerRecovery, CorruptCheckpointsAreMovedAsideAndNeverDisplaceValidOnes) {
 // The checkpoint's learning rate (the one in force) applies after a restore;
 // a config that says another one is named in a warning, not ignored
 // silently (a helper lowered the rate after a divergence and got the old one).
+// A server of `spec` (one worker) inits key 1 as four zeros, applies
+// `steps` push_pulls of ones and writes a checkpoint, then stops.
+void checkpoint_key_1(const TempDir& dir, const ClusterSpec& spec, int steps) {
+  const std::uint64_t shape[] = {4};
+  ServerProcess a(dir, spec, 0);
+  ASSERT_TRUE(a.ok());
+  auto w = connect_worker(spec, a.address(), 0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(1, shape, std::vector<float>(4, 0.0f)).wait());
+  std::vector<float> got(4);
+  for (int i = 0; i < steps; ++i) {
+    ASSERT_TRUE(w->push_pull(1, std::vector<float>(4, 1.0f), got).wait());
+  }
+  ASSERT_TRUE(w->checkpoint().wait());
+}
+
 TEST(ServerRecovery, ACheckpointRateOtherThanTheConfigsIsAppliedWithAWarning) {
   TempDir dir;
   ClusterSpec spec;
@@ -248,14 +264,7 @@ TEST(ServerRecovery, ACheckpointRateOtherThanTheConfigsIsAppliedWithAWarning) {
   spec.learning_rate = 1.0;
   spec.checkpoint_dir = (dir / "ckpt").string();
   const std::uint64_t shape[] = {4};
-  {
-    ServerProcess a(dir, spec, 0);
-    ASSERT_TRUE(a.ok());
-    auto w = connect_worker(spec, a.address(), 0);
-    ASSERT_TRUE(w);
-    ASSERT_TRUE(w->init(1, shape, std::vector<float>(4, 0.0f)).wait());
-    ASSERT_TRUE(w->checkpoint().wait());
-  }
+  ASSERT_NO_FATAL_FAILURE(checkpoint_key_1(dir, spec, 0));
   ClusterSpec lowered = spec;
   lowered.learning_rate = 0.25;
   ServerProcess b(dir, lowered, 0);
@@ -286,17 +295,7 @@ TEST(ServerRecovery, OtherOptimizerSettingsThanTheCheckpointsAreNamed) {
   spec.learning_rate = 0.1;
   spec.extra_optimizer = "beta2 = 0.999\nmomentum = 0.9";
   spec.checkpoint_dir = (dir / "ckpt").string();
-  const std::uint64_t shape[] = {4};
-  {
-    ServerProcess a(dir, spec, 0);
-    ASSERT_TRUE(a.ok());
-    auto w = connect_worker(spec, a.address(), 0);
-    ASSERT_TRUE(w);
-    ASSERT_TRUE(w->init(1, shape, std::vector<float>(4, 0.0f)).wait());
-    std::vector<float> got(4);
-    ASSERT_TRUE(w->push_pull(1, std::vector<float>(4, 1.0f), got).wait());
-    ASSERT_TRUE(w->checkpoint().wait());
-  }
+  ASSERT_NO_FATAL_FAILURE(checkpoint_key_1(dir, spec, 1));
   {
     ServerProcess same(dir, spec, 0);
     ASSERT_TRUE(same.ok());
