@@ -399,13 +399,14 @@ EMBER_API int ember_worker_create(const char* config_path, int64_t rank,
       });
     }
     // The rank is set after the overrides, so it wins over one of
-    // worker.rank, and a rank outside the job is named as the argument.
+    // worker.rank; the whole is validated once, then, so the rank may be
+    // what makes the overrides valid (or not: the message names both).
     EMBER_ASSIGN_OR_RETURN(ember::config::Config config, ember::config::load_config_file(config_path));
-    EMBER_TRY(ember::config::apply_overrides(config, sets));
-    if (rank >= 0) {
-      ember::config::set_worker_rank(config, static_cast<std::uint32_t>(rank));
-      EMBER_TRY(ember::config::validate(config, fmt::format("the rank argument ({})", rank)));
-    }
+    EMBER_TRY(ember::config::set_values(config, sets));
+    if (rank >= 0) ember::config::set_worker_rank(config, static_cast<std::uint32_t>(rank));
+    EMBER_TRY(ember::config::validate(
+        config, rank >= 0 ? fmt::format("overrides, with the rank argument {}", rank)
+                          : std::string("overrides")));
     auto created = ember::Worker::create(config);
     if (!created) return tl::unexpected(std::move(created).error());
     auto w = std::make_unique<ember_worker>();

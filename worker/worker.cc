@@ -1929,9 +1929,10 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
       ks->next_step.store(*r, std::memory_order_release);
       ks->init_state.store(KeyState::kInitDone, std::memory_order_release);
       if (rank0 && *r > 0 && !warned->exchange(true)) {
-        logger->warn("key {} resumes at step {}: the servers hold it already (a running job, or "
-                     "a restored checkpoint), so rank 0's init values were not used; pull for the "
-                     "parameters and continue from the step init returned (said once per worker)",
+        logger->warn("key {} resumes at step {}: the servers already hold it (a restored "
+                     "checkpoint, a running job, or an earlier init of it), so these init values "
+                     "were not used; pull for the parameters and continue from the step init "
+                     "returned (said for the first such key only)",
                      key, *r);
       }
       return;

@@ -244,7 +244,8 @@ class Worker {
   // kShapeMismatch (the key exists with another shape), kWorkerLost (rank 0
   // lost while waiting). After a failed init the key is not this worker's:
   // its pushes and pulls fail with kNotFound until an init succeeds (with
-  // any shape).
+  // any shape). Wait for init before pushing the key: a push issued while
+  // its init is still in flight goes out whatever the init's outcome.
   Handle init(Key key, std::span<const std::uint64_t> shape, std::span<const float> values);
 
   // Errors: kNotFound (key not init-ed by this worker, or its init failed,

@@ -396,10 +396,13 @@ std::vector<std::string> known_keys();
 [[nodiscard]] Status set_value(Config& config, std::string_view dotted_key, std::string_view value);
 
 // Applies "table.key=value" assignments in order with set_value, then
-// validate(config, "overrides"). Errors: an assignment without '=', and
-// everything set_value and validate report. On error `config` may hold the
-// assignments before the failing one.
+// validate(config, "overrides"). Errors: an assignment
+// without '=', and everything set_value and validate report. On error
+// `config` may hold the assignments before the failing one.
 [[nodiscard]] Status apply_overrides(Config& config, std::span<const std::string> assignments);
+// The same without the final validate(), for a caller that changes more
+// before it validates once (the C ABI sets the rank argument after them).
+[[nodiscard]] Status set_values(Config& config, std::span<const std::string> assignments);
 
 // Typed helpers for common CLI flags. set_listen and set_servers check the
 // addresses (errors as set_value); set_worker_rank cannot fail: the rank is

@@ -688,6 +688,11 @@ Status set_value(Config& config, std::string_view dotted_key, std::string_view v
 }
 
 Status apply_overrides(Config& config, std::span<const std::string> assignments) {
+  EMBER_TRY(set_values(config, assignments));
+  return validate(config, "overrides");
+}
+
+Status set_values(Config& config, std::span<const std::string> assignments) {
   for (const std::string& a : assignments) {
     const std::size_t eq = a.find('=');
     if (eq == std::string::npos) {
@@ -702,7 +707,7 @@ Status apply_overrides(Config& config, std::span<const std::string> assignments)
     while (!value.empty() && value.front() == ' ') value.remove_prefix(1);
     EMBER_TRY(set_value(config, key, value));
   }
-  return validate(config, "overrides");
+  return ok_status();
 }
 
 void set_worker_rank(Config& config, std::uint32_t rank) noexcept { config.worker.rank = rank; }

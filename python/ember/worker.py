@@ -35,7 +35,8 @@ when their operation ends (at most [worker] request_timeout).
 Processes. A Worker belongs to the process that created it: in a child made
 by fork() it is closed (EmberError E_CLOSED saying so; exiting the child is
 fine). Create workers in the child, or use multiprocessing's 'spawn' start
-method.
+method. Arrays from allocate() are shared memory: a forked child that writes
+into them writes into the parent's.
 
 Errors are EmberError (code, name, message: Ember's text naming the cause
 and what to do). Bad Python arguments (a negative key, an `out` of the wrong

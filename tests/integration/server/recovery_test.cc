@@ -238,9 +238,6 @@ TEST(ServerRecovery, CorruptCheckpointsAreMovedAsideAndNeverDisplaceValidOnes) {
   EXPECT_EQ(kept, (std::vector<std::uint64_t>{7, 2, 1}));
 }
 
-// The checkpoint's learning rate (the one in force) applies after a restore;
-// a config that says another one is named in a warning, not ignored
-// silently (a helper lowered the rate after a divergence and got the old one).
 // A server of `spec` (one worker) inits key 1 as four zeros, applies
 // `steps` push_pulls of ones and writes a checkpoint, then stops.
 void checkpoint_key_1(const TempDir& dir, const ClusterSpec& spec, int steps) {
@@ -257,6 +254,9 @@ void checkpoint_key_1(const TempDir& dir, const ClusterSpec& spec, int steps) {
   ASSERT_TRUE(w->checkpoint().wait());
 }
 
+// The checkpoint's learning rate (the one in force) applies after a restore;
+// a config that says another one is named in a warning, not ignored
+// silently (a helper lowered the rate after a divergence and got the old one).
 TEST(ServerRecovery, ACheckpointRateOtherThanTheConfigsIsAppliedWithAWarning) {
   TempDir dir;
   ClusterSpec spec;

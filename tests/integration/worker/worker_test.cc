@@ -486,7 +486,7 @@ TEST(WorkerClient, RankZerosInitOfAKeyTheServersHoldSaysItsValuesWereNotUsed) {
   EXPECT_EQ(*r, 1u);
   ASSERT_TRUE(again->init(1, kShape, std::vector<float>(4, 9.0f)).wait());
   const std::string text = log.text();
-  const std::string line = "key 1 resumes at step 1: the servers hold it already";
+  const std::string line = "key 1 resumes at step 1: the servers already hold it";
   const auto at = text.find(line);
   EXPECT_NE(at, std::string::npos) << text;
   EXPECT_EQ(text.find(line, at + 1), std::string::npos) << "said once:\n" << text;

@@ -223,13 +223,29 @@ TEST(CapiCreate, BadOverrideAndRankBeyondNumWorkersAreConfigErrors) {
   EXPECT_EQ(ember_worker_create(path.c_str(), 0, bad, 1, &w), EMBER_E_CONFIG);
   EXPECT_THAT(last(), HasSubstr("no_such_key"));
   EXPECT_EQ(ember_worker_create(path.c_str(), 2, nullptr, 0, &w), EMBER_E_CONFIG);
-  // Named as the argument it was, not as an override.
-  EXPECT_THAT(last(), HasSubstr("the rank argument (2): key 'worker.rank': 2 is not below "
+  // Named as the argument it was.
+  EXPECT_THAT(last(), HasSubstr("with the rank argument 2: key 'worker.rank': 2 is not below "
                                 "cluster.num_workers = 2"));
   // The argument wins over an override of worker.rank.
   const char* rank0[] = {"worker.rank=0"};
   EXPECT_EQ(ember_worker_create(path.c_str(), 3, rank0, 1, &w), EMBER_E_CONFIG);
-  EXPECT_THAT(last(), HasSubstr("the rank argument (3)"));
+  EXPECT_THAT(last(), HasSubstr("with the rank argument 3"));
+  EXPECT_EQ(w, nullptr);
+}
+
+// The config is validated once, after the overrides and the rank argument:
+// an override that is valid only with the argument's rank is accepted (here
+// the creation fails later, at connecting, not at validation).
+TEST(CapiCreate, TheRankArgumentIsAppliedBeforeTheOverridesAreValidated) {
+  TempDir dir;
+  const auto path = dir.write(
+      "ok.toml", "[cluster]\nservers = [\"127.0.0.1:1\"]\nnum_workers = 2\n[worker]\nrank = 1\n"
+                 "connect_retries = 0\nconnect_timeout = \"100ms\"\n");
+  ember_worker* w = nullptr;
+  const char* one_worker[] = {"cluster.num_workers=1"};
+  EXPECT_NE(ember_worker_create(path.c_str(), 0, one_worker, 1, &w), EMBER_E_CONFIG) << last();
+  const char* bad_rank[] = {"worker.rank=7"};
+  EXPECT_NE(ember_worker_create(path.c_str(), 1, bad_rank, 1, &w), EMBER_E_CONFIG) << last();
   EXPECT_EQ(w, nullptr);
 }
 
