@@ -1939,8 +1939,8 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
     }
     // Refused (another shape on the servers, rank 0 lost, a timeout): unless
     // another init of it succeeded, the key is not this worker's.
-    int pending = KeyState::kInitPending;
-    ks->init_state.compare_exchange_strong(pending, KeyState::kInitFailed, std::memory_order_acq_rel);
+    int expected = KeyState::kInitPending;
+    ks->init_state.compare_exchange_strong(expected, KeyState::kInitFailed, std::memory_order_acq_rel);
   };
   const auto value_bytes = std::as_bytes(values);
   for (const placement::Chunk& ch : ks->chunks) {

@@ -33,7 +33,9 @@ std::vector<float> run(const OptimizerConfig& c, float p0, std::vector<float> gr
   OptimizerState s = opt->make_state(1);
   std::vector<float> out;
   for (std::size_t i = 0; i < grads.size(); ++i) {
-    if (i < rates.size()) EXPECT_TRUE(opt->set_learning_rate(rates[i]));
+    if (i < rates.size()) {
+      EXPECT_TRUE(opt->set_learning_rate(rates[i]));
+    }
     const float gv[] = {grads[i]};
     opt->apply(p, gv, s);
     out.push_back(p[0]);
