@@ -424,9 +424,6 @@ struct Worker::Impl {
   // The Worker is being destroyed: no reconnect back-off, no re-send. Set
   // under timer_mutex (connect's back-off waits on timer_cv); read anywhere.
   std::atomic<bool> closing{false};
-  // A server's join reply said asp (1) or bsp/ssp (0); -1 before any join.
-  // For a pull's timeout message (the servers agree: check_same_settings).
-  std::atomic<int> joined_asp{-1};
   std::thread timer_thread;
 
   // What a request being re-sent is waiting for, appended to its timeout
@@ -584,6 +581,18 @@ struct Worker::Impl {
   void flush_ring(ServerLink& link, std::uint32_t channel);
   Status flush_all_rings();
   void issue(Outgoing&& o, bool pipelined);
+  // Whether the servers run asp, as their joins said (they agree:
+  // check_same_settings); this worker's config before any join.
+  bool servers_run_asp() {
+    std::lock_guard lock(settings_mutex);
+    for (const auto& link : servers) {
+      if (link->settings) {
+        return static_cast<proto::Consistency>(link->settings->consistency) ==
+               proto::Consistency::kAsp;
+      }
+    }
+    return config.server.consistency == config::Consistency::kAsp;
+  }
   std::shared_ptr<KeyState> key_state(Key key) const {
     std::shared_lock lock(keys_mutex);
     auto it = keys.find(key);
@@ -1069,9 +1078,6 @@ Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinRepl
                       link.index, link.address, what, table);
   }
   link.settings = body;
-  joined_asp.store(static_cast<proto::Consistency>(body.consistency) == proto::Consistency::kAsp
-                       ? 1
-                       : 0);
   // The generation of the connection that said it (the join's), not the
   // link's current one: a newer connection opened meanwhile has not joined
   // yet, and its server may run other settings.
@@ -1135,10 +1141,7 @@ void Worker::Impl::timer_loop() {
           note += "; " + it->second;
         }
       }
-      const int asp = joined_asp.load();
-      const bool servers_sync = asp == -1 ? config.server.consistency != config::Consistency::kAsp
-                                          : asp == 0;
-      if ((op->what_verb == "pull" || op->what_verb == "push_pull") && servers_sync) {
+      if ((op->what_verb == "pull" || op->what_verb == "push_pull") && !servers_run_asp()) {
         // Under bsp/ssp the usual cause is another worker, not the network.
         note += "; under bsp and ssp a pull waits for the other workers' pushes of its step (ssp: "
                 "until the slowest worker is within [server] staleness steps): check that every "
