@@ -815,14 +815,17 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
                               : std::string("twice [worker] request_timeout passed"));
   };
   // While this sender waits, its operation's timeout error (timer_loop)
-  // says what for.
-  struct Note {  // set on the slow paths only; cleared on return
+  // says what for. Set on the slow paths only. Cleared here when a
+  // connection is returned; after an error the caller clears it once it has
+  // failed the operation, so that a timer firing in between still says it.
+  struct Note {
     Impl* impl;
     const Op* op;
     std::uint32_t server;
     bool set = false;
+    bool connected = false;
     ~Note() {
-      if (set) impl->clear_note(op, server);
+      if (set && connected) impl->clear_note(op, server);
     }
   } note{this, waiter, link.index};
   auto wait_note = [&](std::string_view while_what) {
@@ -848,6 +851,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
       // overtake re-sends still queued, and its caller has a kTimeout).
       if (waited && bounded && Clock::now() >= deadline) return timed_out("it was connecting");
       gen = link.gen;
+      note.connected = true;
       return link.conn;
     }
     if (link.connecting || (open && link.join_error_gen != link.gen)) {
@@ -958,6 +962,7 @@ Result<std::shared_ptr<transport::Connection>> Worker::Impl::connection(ServerLi
     link.joined_cv.notify_all();
   }
   if (!joined) return tl::unexpected(joined.error());
+  note.connected = true;
   return conn;
 }
 
@@ -1590,10 +1595,10 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
                fmt::format("waiting for server {} at {} while its lost requests were re-sent",
                            link.index, link.address));
       wait_for_resends(link, o.op->deadline);
-      clear_note(o.op.get(), link.index);
       if (link.resends_queued.load(std::memory_order_acquire) != 0 &&
           Clock::now() >= o.op->deadline) {
         // Sent now, it would overtake them (and its caller has a kTimeout).
+        // The note goes after the failure: a timer firing first says it too.
         o.op->fail(Error(ErrorCode::kTimeout,
                          fmt::format("worker {}: gave up waiting for server {} at {} while its lost "
                                      "requests were re-sent: the request's [worker] request_timeout "
@@ -1601,8 +1606,10 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
                                      config.worker.rank, link.index, link.address,
                                      std::chrono::duration_cast<std::chrono::milliseconds>(
                                          config.worker.request_timeout))));
+        clear_note(o.op.get(), link.index);
         return;
       }
+      clear_note(o.op.get(), link.index);
     }
     // Sync point: any thread sending a request (the caller's, a flusher),
     // after its check for queued re-sends, before it asks for the connection.
@@ -1612,6 +1619,7 @@ void Worker::Impl::send(Outgoing&& o, bool flush_now, bool resending) {
                       o.op->deadline, resending ? nullptr : o.op.get());
     if (!conn) {
       o.op->fail(conn.error());
+      clear_note(o.op.get(), link.index);  // connection() leaves it to here (see its Note)
       return;
     }
     // connection() may have waited (a reconnect, a join, re-sends) past the
