@@ -149,6 +149,15 @@ struct ConnState {
   // live connection): the worker's join is answered with this error, then
   // the connection is closed. Never counted in rank_connections.
   std::optional<Error> refused;
+  // Stands for its rank: counted in rank_connections, its end is the rank's
+  // loss. Set at accept unless refused there; cleared when its join is
+  // refused (another [cluster] table, partition_bytes), so that a process
+  // that never was a worker of this job neither brings a lost rank back nor
+  // loses it again. Guarded by conns_mutex.
+  bool member = false;
+  // Its rank was lost when it connected: the rank is back (kWorkerBack) at
+  // its first message that is not a refused join, not at accept.
+  std::atomic<bool> back_pending{false};
 };
 
 }  // namespace
@@ -277,6 +286,12 @@ struct Server::Impl final : ReplySink {
                 const std::optional<proto::ReplyPlacement>& placement = std::nullopt,
                 std::uint32_t more_in_batch = 0);
   void handle_join(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
+  // A lost rank is back: at its connection's first message that is not a
+  // refused join (c.back_pending). I/O thread.
+  void rejoin(ConnState& c);
+  // Answers a join with `why` and takes the connection out of its rank's
+  // count (ConnState::member). I/O thread.
+  void refuse_join(ConnState& c, std::uint32_t channel, const proto::Header& h, Error why);
   void handle_set_lr(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
   void handle_checkpoint(ConnState& c, std::uint32_t channel, const proto::Header& h);
   void broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id,
@@ -822,7 +837,7 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
     if (rank_connections[peer.rank] > 0) {
       std::string other;
       for (const auto& [id, s] : by_id) {
-        if (s->rank == peer.rank && !s->refused) other = s->peer;
+        if (s->rank == peer.rank && s->member) other = s->peer;
       }
       lock.unlock();
       log->warn("refusing worker '{}' with rank {}: rank {} is already connected from {}; see "
@@ -841,13 +856,41 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
     }
     by_ptr[conn.get()] = state;
     by_id[state->id] = state;
-    if (rank_connections[peer.rank]++ == 0 && rank_lost[peer.rank]) {
-      rank_lost[peer.rank] = 0;
+    state->member = true;
+    back = rank_connections[peer.rank]++ == 0 && rank_lost[peer.rank];
+    state->back_pending.store(back, std::memory_order_relaxed);
+  }
+  log->info("worker {} connected from {}{}", peer.rank, peer.address,
+            back ? " (it was lost; back once its join succeeds)" : "");
+}
+
+void Server::Impl::rejoin(ConnState& c) {
+  bool back = false;
+  {
+    std::lock_guard lock(conns_mutex);
+    if (!c.back_pending.exchange(false)) return;
+    if (c.member && rank_lost[c.rank]) {
+      rank_lost[c.rank] = 0;
       back = true;
     }
   }
-  log->info("worker {} connected from {}{}", peer.rank, peer.address, back ? " (rejoining)" : "");
-  if (back) broadcast(ShardItem::Kind::kWorkerBack, peer.rank, 0);
+  if (!back) return;
+  log->info("worker {} ({}) is back (rejoining)", c.rank, c.peer);
+  broadcast(ShardItem::Kind::kWorkerBack, c.rank, 0);
+}
+
+void Server::Impl::refuse_join(ConnState& c, std::uint32_t channel, const proto::Header& h,
+                               Error why) {
+  {
+    std::lock_guard lock(conns_mutex);
+    c.back_pending.store(false);
+    if (c.member) {
+      c.member = false;
+      --rank_connections[c.rank];
+    }
+  }
+  conns_cv.notify_all();
+  error(ReplyTo{c.id, channel}, h, std::move(why));
 }
 
 void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
@@ -868,10 +911,13 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
     }
     by_ptr.erase(it);
     by_id.erase(state->id);
-    if (state->refused) {
+    if (!state->member) {
+      // Refused at accept or at its join: never counted as the rank's
+      // connection. What it sent after a refused join (a raw client) goes.
       lock.unlock();
       conns_cv.notify_all();
-      return;  // never counted as the rank's connection
+      if (!state->refused) broadcast(ShardItem::Kind::kDropConnection, state->rank, state->id);
+      return;
     }
     if (--rank_connections[state->rank] == 0) {
       rank_lost[state->rank] = 1;
@@ -1150,7 +1196,7 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
   const auto& cl = config.cluster;
   if (body.num_workers != cl.num_workers || body.num_servers != cl.servers.size() ||
       body.server_index != config.server.server_index) {
-    error(ReplyTo{c.id, channel}, h,
+    refuse_join(c, channel, h,
           Error(ErrorCode::kConfig,
                 fmt::format("worker {} has a different [cluster] table: it expects {} worker(s) "
                             "and {} server(s) and thinks this is server {}; this server has {} "
@@ -1162,7 +1208,7 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
   }
   if (body.partition_check != 0 &&
       body.partition_check != proto::partition_check(config.server.partition_bytes)) {
-    error(ReplyTo{c.id, channel}, h,
+    refuse_join(c, channel, h,
           Error(ErrorCode::kConfig,
                 fmt::format("worker {} has a different [server] partition_bytes: this server cuts "
                             "tensors into chunks of {} bytes, and a worker that cuts them "
@@ -1185,6 +1231,7 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
   rb.nesterov = config.optimizer.type == config::OptimizerType::kMomentum && config.optimizer.nesterov;
   rb.optimizer_check = proto::optimizer_check(optimizer_numbers(config.optimizer));
   const auto body_bytes = proto::encode_body(rb);
+  rejoin(c);  // before the reply: the shards see the rank back before its requests
   send_message(ReplyTo{c.id, channel}, proto::reply_header(h), body_bytes);
 }
 
@@ -1278,6 +1325,10 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
                         fmt::format("{} claims rank {} but the connection's handshake said rank {}",
                                     proto::describe(h), h.worker_rank, c->rank)));
     return;
+  }
+  if (c->back_pending.load(std::memory_order_relaxed) && h.type != proto::MsgType::kJoin)
+      [[unlikely]] {
+    rejoin(*c);  // a client that sends without a join (handle_join does it for joins)
   }
   switch (h.type) {
     case proto::MsgType::kJoin:

@@ -371,6 +371,85 @@ TEST_F(BadRequests, WorkerWithAnotherClusterTableFailsToJoin) {
   EXPECT_NE(w.error().message().find("[cluster]"), std::string::npos) << w.error().to_string();
 }
 
+// A process refused at its join never was a worker of the job: its rank is
+// neither lost when it goes (bsp, "fail": the others' round would fail) nor
+// back while it is there (a lost rank would count as present again).
+TEST(BadRequestsBsp, AWorkerRefusedAtJoinIsNotItsRanksLoss) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.loss_policy = "fail";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w0 = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(w0) << w0.error().to_string();
+  const std::uint64_t shape[] = {2};
+  ASSERT_TRUE((*w0)->init(1, shape, std::vector<float>{1, 1}).wait());
+  ASSERT_TRUE((*w0)->push(1, std::vector<float>{2, 2}).wait());
+  std::vector<float> p(2);
+  Handle pull = (*w0)->pull(1, p);  // waits for rank 1's push of step 0
+  ClusterSpec other = spec;
+  other.num_workers = 3;
+  auto stray = Worker::create(worker_config(other, {server.address()}, 1));
+  ASSERT_FALSE(stray);
+  EXPECT_EQ(stray.error().code(), ErrorCode::kConfig) << stray.error().to_string();
+  // Its connection has closed (the worker closes it on the refusal); had
+  // it been rank 1's, the pull would fail with kWorkerLost by now.
+  EXPECT_FALSE(pull.wait_for(1500ms).has_value());
+  EXPECT_FALSE(pull.ready()) << server.log();
+  auto w1 = Worker::create(worker_config(spec, {server.address()}, 1));
+  ASSERT_TRUE(w1) << w1.error().to_string();
+  ASSERT_TRUE((*w1)->init(1, shape, std::vector<float>{1, 1}).wait());
+  ASSERT_TRUE((*w1)->push(1, std::vector<float>{4, 4}).wait());
+  auto r = pull.wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_FLOAT_EQ(p[0], 1.0f - 0.1f * 3.0f);  // sgd, lr 0.1, the mean of 2 and 4
+  EXPECT_EQ(server.log().find("rejoining"), std::string::npos) << server.log();
+}
+
+TEST(BadRequestsBsp, AWorkerRefusedAtJoinDoesNotBringALostRankBack) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.loss_policy = "shrink";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w0 = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(w0) << w0.error().to_string();
+  const std::uint64_t shape[] = {2};
+  ASSERT_TRUE((*w0)->init(1, shape, std::vector<float>{1, 1}).wait());
+  {
+    RawClient gone(server.address(), 1);  // rank 1 connects and leaves: excluded
+  }
+  ClusterSpec other = spec;
+  other.partition_bytes = "1MB";
+  auto stray = Worker::create(worker_config(other, {server.address()}, 1));
+  ASSERT_FALSE(stray);
+  EXPECT_EQ(stray.error().code(), ErrorCode::kConfig) << stray.error().to_string();
+  // Rank 1 stays excluded: rounds close with rank 0 alone.
+  for (std::uint64_t step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    ASSERT_TRUE((*w0)->push(1, std::vector<float>{1, 1}).wait());
+    std::vector<float> p(2);
+    auto r = (*w0)->pull(1, p).wait_for(10s);
+    ASSERT_TRUE(r) << r.error().to_string() << "\n" << server.log();
+  }
+  const std::string log = server.log();
+  EXPECT_EQ(log.find("rejoining"), std::string::npos) << log;
+  EXPECT_NE(log.find("different [server] partition_bytes"), std::string::npos) << log;
+  // A worker of the job that comes back is back.
+  auto w1 = Worker::create(worker_config(spec, {server.address()}, 1));
+  ASSERT_TRUE(w1) << w1.error().to_string();
+  // (The server logs it before its join reply; the file may lag a little.)
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (server.log().find("(rejoining)") == std::string::npos &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_NE(server.log().find("worker 1 (127.0.0.1:"), std::string::npos) << server.log();
+  EXPECT_NE(server.log().find("is back (rejoining)"), std::string::npos) << server.log();
+}
+
 // Servers of one job that disagree on consistency or [optimizer] would update
 // the chunks of one tensor two ways (a helper's run: asp on one of three
 // servers gave chunks at -40 beside -20, nothing logged). The worker compares

@@ -187,6 +187,8 @@ const Quoted kQuoted[] = {
     // The pointer is appended unless the reason carries one: checked below.
     {"worker-loss", "server/server.cc", ") lost: {}{}", false},
     {"worker-loss", "server/server.cc", "this job has {} worker(s)", true},
+    {"worker-loss", "server/server.cc", "back once its join succeeds", false},
+    {"worker-loss", "server/server.cc", "is back (rejoining)", false},
     {"worker-loss", "worker/worker.cc", "request(s) failed", false},
     {"worker-loss", "server/membership.cc", "lost and not back within worker_timeout", false},
     {"worker-loss", "server/membership.cc", "which was lost (on_worker_loss", false},
