@@ -10,7 +10,9 @@
 //   A fractional value must come out as a whole number of bytes ("1.5KB" is
 //   1536, "0.3B" is an error).
 // Durations: a number followed by "ns", "us", "ms", "s", "m" or "h"
-//   ("50us", "1.5s"). A bare number is an error: the unit is required.
+//   ("50us", "1.5s"; spaces between number and unit are allowed, as for
+//   sizes: "10 ms"; units are case-insensitive, and "m" is minutes). A bare
+//   number is an error: the unit is required.
 //
 // Errors: ErrorCode::kInvalidArgument naming the text and what was expected;
 // ErrorCode::kTooLarge when the value overflows 64 bits.

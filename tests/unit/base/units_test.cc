@@ -44,6 +44,9 @@ TEST(ParseDuration, AcceptsUnits) {
   EXPECT_EQ(*parse_duration("2ms"), nanoseconds(2'000'000));
   EXPECT_EQ(*parse_duration("1m"), nanoseconds(60'000'000'000));
   EXPECT_EQ(*parse_duration("1h"), nanoseconds(3'600'000'000'000));
+  // A space between number and unit, as sizes allow (units.h).
+  EXPECT_EQ(*parse_duration("10 ms"), nanoseconds(10'000'000));
+  EXPECT_EQ(*parse_duration("1.5  s"), nanoseconds(1'500'000'000));
 }
 
 TEST(ParseDuration, RequiresUnit) {
