@@ -56,7 +56,7 @@ class CudaBackend final : public PackBackend {
     EMBER_TRY(cuda_check(cudaSetDevice(device_), "device exchange: cudaSetDevice"));
     if (!same(sources_, sources)) {
       EMBER_TRY(check_pointers(sources, "source"));
-      EMBER_TRY(packer_.set_sources(sources));
+      EMBER_TRY(packer_.set_sources(sources, stream_));
       sources_.assign(sources.begin(), sources.end());
     }
     EMBER_TRY(packer_.pack_async(buffer_, stream_));
@@ -67,7 +67,7 @@ class CudaBackend final : public PackBackend {
     EMBER_TRY(cuda_check(cudaSetDevice(device_), "device exchange: cudaSetDevice"));
     if (!same(destinations_, destinations)) {
       EMBER_TRY(check_pointers(destinations, "destination"));
-      EMBER_TRY(packer_.set_destinations(destinations));
+      EMBER_TRY(packer_.set_destinations(destinations, stream_));
       destinations_.assign(destinations.begin(), destinations.end());
     }
     EMBER_TRY(packer_.unpack_async(buffer_, stream_));

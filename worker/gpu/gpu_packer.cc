@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include <fmt/format.h>
@@ -115,7 +116,7 @@ Result<GpuSymBuffer> GpuSymBuffer::register_host(const SymBufferLayout& layout,
   const cudaError_t reg = cudaHostRegister(region.data(), bytes,
                                            cudaHostRegisterMapped | cudaHostRegisterPortable);
   if (reg == cudaErrorHostMemoryAlreadyRegistered) {
-    (void)cudaGetLastError();  // the page pool registered its whole region already: use that
+    (void)cudaGetLastError();  // the caller registered it already: use that
   } else {
     EMBER_TRY(cuda_check(reg, fmt::format("SymBuffer: cudaHostRegister of {} bytes", bytes)));
     b.registered_ = true;
@@ -193,8 +194,10 @@ Status GpuSymBuffer::copy_from_host(std::span<const std::byte> bytes) {
     return make_error(ErrorCode::kInvalidArgument, "SymBuffer copy: {} bytes given, buffer has {}",
                       bytes.size(), layout_.total_bytes());
   }
-  return cuda_check(cudaMemcpy(device_base_, bytes.data(), bytes.size(), cudaMemcpyDefault),
-                    "SymBuffer: copy from host");
+  // A pageable source may still be in flight when cudaMemcpy returns.
+  EMBER_TRY(cuda_check(cudaMemcpy(device_base_, bytes.data(), bytes.size(), cudaMemcpyDefault),
+                       "SymBuffer: copy from host"));
+  return cuda_check(cudaDeviceSynchronize(), "SymBuffer: copy from host");
 }
 
 Status GpuSymBuffer::loopback(cudaStream_t stream) {
@@ -204,9 +207,10 @@ Status GpuSymBuffer::loopback(cudaStream_t stream) {
   args.buffer = device_base_;
   args.status = status_;
   EMBER_TRY(cuda_check(kernels::launch_loopback(args, stream), "loopback: launch"));
-  EMBER_TRY(cuda_check(cudaStreamSynchronize(stream), "loopback"));
   StepStatus s{};
-  EMBER_TRY(cuda_check(cudaMemcpy(&s, status_, sizeof s, cudaMemcpyDeviceToHost), "loopback: status"));
+  EMBER_TRY(cuda_check(cudaMemcpyAsync(&s, status_, sizeof s, cudaMemcpyDeviceToHost, stream),
+                       "loopback: status"));
+  EMBER_TRY(cuda_check(cudaStreamSynchronize(stream), "loopback"));
   if (s.code != 0) return tl::unexpected(status_to_error(s, layout_, "loopback"));
   return ok_status();
 }
@@ -323,7 +327,22 @@ void GpuPacker::release() noexcept {
   allocations_.clear();
 }
 
-Status GpuPacker::set_sources(std::span<const float* const> device_tensors) {
+namespace {
+
+// A pointer table to the device, complete when this returns. cudaMemcpy from
+// pageable memory may return before the DMA has landed and is ordered only
+// on the legacy default stream, not before a kernel on a non-blocking
+// stream; so the copy goes on `stream` and that stream is waited for.
+Status upload_table(void* device, const void* host, std::size_t bytes, cudaStream_t stream,
+                    std::string_view what) {
+  EMBER_TRY(cuda_check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream),
+                       fmt::format("{}: upload", what)));
+  return cuda_check(cudaStreamSynchronize(stream), fmt::format("{}: upload", what));
+}
+
+}  // namespace
+
+Status GpuPacker::set_sources(std::span<const float* const> device_tensors, cudaStream_t stream) {
   const PackPlan& pl = *f_.plan;
   if (device_tensors.size() != pl.tensors().size()) {
     return make_error(ErrorCode::kInvalidArgument,
@@ -338,15 +357,14 @@ Status GpuPacker::set_sources(std::span<const float* const> device_tensors) {
     }
   }
   if (!device_tensors.empty()) {
-    EMBER_TRY(cuda_check(cudaMemcpy(f_.sources, device_tensors.data(), device_tensors.size_bytes(),
-                                    cudaMemcpyHostToDevice),
-                         "set_sources: upload"));
+    EMBER_TRY(upload_table(f_.sources, device_tensors.data(), device_tensors.size_bytes(), stream,
+                           "set_sources"));
   }
   f_.sources_set = true;
   return ok_status();
 }
 
-Status GpuPacker::set_destinations(std::span<float* const> device_tensors) {
+Status GpuPacker::set_destinations(std::span<float* const> device_tensors, cudaStream_t stream) {
   const PackPlan& pl = *f_.plan;
   if (device_tensors.size() != pl.tensors().size()) {
     return make_error(ErrorCode::kInvalidArgument,
@@ -361,9 +379,8 @@ Status GpuPacker::set_destinations(std::span<float* const> device_tensors) {
     }
   }
   if (!device_tensors.empty()) {
-    EMBER_TRY(cuda_check(cudaMemcpy(f_.destinations, device_tensors.data(),
-                                    device_tensors.size_bytes(), cudaMemcpyHostToDevice),
-                         "set_destinations: upload"));
+    EMBER_TRY(upload_table(f_.destinations, device_tensors.data(), device_tensors.size_bytes(),
+                           stream, "set_destinations"));
   }
   f_.destinations_set = true;
   return ok_status();
@@ -406,6 +423,7 @@ Status GpuPacker::pack_async(const GpuSymBuffer& buffer, cudaStream_t stream) {
   a.timeout_ns = static_cast<std::uint64_t>(f_.options.backpressure_timeout.count());
   EMBER_TRY(cuda_check(kernels::launch_pack(a, f_.num_blocks, stream), "pack_async: launch"));
   ++f_.pack_step;
+  f_.kinds[kPack] = Fields::Pending{true, stream};
   return ok_status();
 }
 
@@ -426,32 +444,57 @@ Status GpuPacker::unpack_async(const GpuSymBuffer& buffer, cudaStream_t stream) 
   a.timeout_ns = static_cast<std::uint64_t>(f_.options.backpressure_timeout.count());
   EMBER_TRY(cuda_check(kernels::launch_unpack(a, f_.num_blocks, stream), "unpack_async: launch"));
   ++f_.unpack_step;
+  f_.kinds[kUnpack] = Fields::Pending{true, stream};
   return ok_status();
 }
 
-Status GpuPacker::reset_counters(cudaStream_t stream) {
-  const std::size_t records = f_.plan->records().size();
-  EMBER_TRY(cuda_check(cudaMemsetAsync(f_.status, 0, 2 * sizeof(StepStatus), stream), "reset"));
-  EMBER_TRY(cuda_check(cudaMemsetAsync(f_.counters, 0, 2 * sizeof(kernels::StepCounters), stream), "reset"));
-  EMBER_TRY(cuda_check(cudaMemsetAsync(f_.record_done, 0, std::max<std::size_t>(records, 1) * sizeof(unsigned long long), stream), "reset"));
-  EMBER_TRY(cuda_check(cudaMemsetAsync(f_.absmax_bits, 0, std::max<std::size_t>(2 * records, 1) * sizeof(std::uint32_t), stream), "reset"));
+Status GpuPacker::reset_counters(int kind, cudaStream_t stream) {
+  // Only the failed kind's state: the other kind may be running on another
+  // stream, and its counters are its own ([0] pack, [1] unpack; the record
+  // counts and absmax words are the pack kernel's).
+  EMBER_TRY(cuda_check(cudaMemsetAsync(&f_.status[kind], 0, sizeof(StepStatus), stream), "reset"));
+  EMBER_TRY(cuda_check(cudaMemsetAsync(&f_.counters[kind], 0, sizeof(kernels::StepCounters), stream),
+                       "reset"));
+  if (kind == kPack) {
+    const std::size_t records = f_.plan->records().size();
+    EMBER_TRY(cuda_check(cudaMemsetAsync(f_.record_done, 0,
+                                         std::max<std::size_t>(records, 1) * sizeof(unsigned long long),
+                                         stream),
+                         "reset"));
+    EMBER_TRY(cuda_check(cudaMemsetAsync(f_.absmax_bits, 0,
+                                         std::max<std::size_t>(2 * records, 1) * sizeof(std::uint32_t),
+                                         stream),
+                         "reset"));
+  }
   EMBER_TRY(cuda_check(cudaStreamSynchronize(stream), "reset"));
-  f_.pack_step = 0;
-  f_.unpack_step = 0;
+  (kind == kPack ? f_.pack_step : f_.unpack_step) = 0;
   return ok_status();
 }
 
 Status GpuPacker::finish(cudaStream_t stream) {
   EMBER_TRY(cuda_check(cudaStreamSynchronize(stream), "finish: a pack/unpack kernel failed"));
+  // The kinds whose last launch went on this stream (their earlier ones
+  // are ordered before it). A kind running on another stream is left alone.
+  bool mine[2] = {};
+  for (int k : {kPack, kUnpack}) mine[k] = f_.kinds[k].pending && f_.kinds[k].stream == stream;
+  if (!mine[kPack] && !mine[kUnpack]) return ok_status();
+  // Read on `stream`, not the legacy default stream: a synchronous
+  // cudaMemcpy would wait behind work on every blocking stream (an unpack
+  // waiting for data this thread delivers after finish returns).
   StepStatus s[2] = {};
-  EMBER_TRY(cuda_check(cudaMemcpy(s, f_.status, sizeof s, cudaMemcpyDeviceToHost), "finish: status"));
-  for (int i = 0; i < 2; ++i) {
-    if (s[i].code != 0) {
-      Error e = status_to_error(s[i], *f_.plan, i == 0 ? "pack" : "unpack");
-      EMBER_TRY(reset_counters(stream));
-      return tl::unexpected(std::move(e));
-    }
+  EMBER_TRY(cuda_check(cudaMemcpyAsync(s, f_.status, sizeof s, cudaMemcpyDeviceToHost, stream),
+                       "finish: status"));
+  EMBER_TRY(cuda_check(cudaStreamSynchronize(stream), "finish: status"));
+  std::optional<Error> first;
+  for (int k : {kPack, kUnpack}) {
+    if (!mine[k]) continue;
+    f_.kinds[k].pending = false;
+    if (s[k].code == 0) continue;
+    Error e = status_to_error(s[k], *f_.plan, k == kPack ? "pack" : "unpack");
+    EMBER_TRY(reset_counters(k, stream));
+    if (!first) first = std::move(e);
   }
+  if (first) return tl::unexpected(std::move(*first));
   return ok_status();
 }
 

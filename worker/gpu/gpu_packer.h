@@ -85,9 +85,11 @@ class GpuSymBuffer {
   // Pins `region` (host memory, 128-byte aligned, ≥ layout.total_bytes(),
   // e.g. a page-pool block) with cudaHostRegister and maps it for the
   // device, so the transport sends the packed bytes without another copy.
-  // Zeroes every ChannelMeta. The region must outlive the buffer; it is
-  // unregistered on destruction unless it was registered before (the page
-  // pool registers its whole region once: that registration is used).
+  // Sets every ring's head and tail to 0. The region must outlive the
+  // buffer; it is unregistered on destruction unless it was registered
+  // before (by the caller, with cudaHostRegisterMapped): that registration
+  // is used and left in place. (The page pool does not register its region
+  // with CUDA: each buffer registers its own block.)
   // Errors: kInvalidArgument, CUDA errors.
   static Result<GpuSymBuffer> register_host(const SymBufferLayout& layout,
                                             std::span<std::byte> region, int device = 0);
@@ -115,7 +117,9 @@ class GpuSymBuffer {
   Status copy_from_host(std::span<const std::byte> bytes);
   // Runs the loopback kernel (every send ring's readable bytes → its recv
   // ring) and waits for it. Errors: kTooLarge when a recv ring has no room
-  // (names channel, rank, head, tail), kProtocol for misaligned positions.
+  // (names channel, rank, head, tail), kProtocol for misaligned positions,
+  // kInternal for a ring that holds more than its capacity (each names the
+  // send or recv ring whose positions are wrong).
   Status loopback(cudaStream_t stream);
 
  private:
@@ -158,11 +162,14 @@ class GpuPacker {
   std::uint32_t num_blocks() const { return f_.num_blocks; }
 
   // Device pointers of the plan's tensors ([num_elements] fp32 each, any
-  // 4-byte alignment; null only for empty tensors). Uploaded once here
-  // (blocks); later steps reuse them, so the tensors must stay put.
+  // 4-byte alignment; null only for empty tensors). Uploaded once here, on
+  // `stream`, which is then waited for (so not while a kernel on `stream`
+  // waits for this thread); the table is on the device when this returns,
+  // for launches on any stream. Later steps reuse them, so the tensors must
+  // stay put. Not while a launch of this packer is in flight.
   // Errors: kInvalidArgument (count, null pointer), CUDA errors.
-  Status set_sources(std::span<const float* const> device_tensors);
-  Status set_destinations(std::span<float* const> device_tensors);
+  Status set_sources(std::span<const float* const> device_tensors, cudaStream_t stream = nullptr);
+  Status set_destinations(std::span<float* const> device_tensors, cudaStream_t stream = nullptr);
 
   // Enqueues one pack step on `stream` (one kernel launch; does not block).
   // Errors returned here: kInvalidArgument (no sources set, buffer laid out
@@ -172,10 +179,13 @@ class GpuPacker {
   // Same for unpack (destinations must be set).
   Status unpack_async(const GpuSymBuffer& buffer, cudaStream_t stream);
   // Waits for `stream` and reports the first failure of the steps enqueued
-  // since the last finish(): kTimeout (names channel, rank, head, tail),
-  // kProtocol, kInternal, or a CUDA error. After a failure the packer's
-  // counters are reset and later steps run normally; the failed step left
-  // rings, tensors and state untouched.
+  // on it since the last finish() of that stream: kTimeout (names channel,
+  // rank, head, tail), kProtocol, kInternal, or a CUDA error. Only the kinds
+  // (pack, unpack) whose latest launch went on `stream` are checked: a pack
+  // and an unpack on two streams each need a finish() of their own stream.
+  // After a failure that kind's counters are reset (the other kind's are
+  // not) and its later steps run normally; the failed step left rings,
+  // tensors and state untouched.
   Status finish(cudaStream_t stream);
 
   // Zeroes residuals and references. Blocks.
@@ -190,7 +200,9 @@ class GpuPacker {
  private:
   GpuPacker() = default;
   void release() noexcept;
-  Status reset_counters(cudaStream_t stream);
+  static constexpr int kPack = 0;    // index of counters, status, kinds
+  static constexpr int kUnpack = 1;
+  Status reset_counters(int kind, cudaStream_t stream);
 
   // Everything but the ownership list; copied on move.
   struct Fields {
@@ -202,6 +214,13 @@ class GpuPacker {
     std::uint64_t unpack_step = 0;
     bool sources_set = false;
     bool destinations_set = false;
+    // Per kind ([kPack], [kUnpack]): launched since its last finish(), and
+    // on which stream (the latest launch).
+    struct Pending {
+      bool pending = false;
+      cudaStream_t stream = nullptr;
+    };
+    Pending kinds[2] = {};
     kernels::DevicePlan device_plan{};
     const float** sources = nullptr;  // device arrays of device pointers
     float** destinations = nullptr;
