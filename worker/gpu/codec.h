@@ -25,7 +25,10 @@
 // mul_rn/add_rn/sub_rn/div_rn (IEEE round-to-nearest, never fused: the device
 // uses the __f*_rn intrinsics, the host builds with -ffp-contract=off) and the
 // conversions are integer code, identical on both sides. Denormals are kept
-// (no flush-to-zero on either side).
+// (no flush-to-zero on either side). A NaN that arithmetic produces is the
+// canonical 0x7fffffff on both sides (canonical_nan); an input NaN keeps its
+// payload only where no arithmetic touches it (fp32 with prescale 1, no
+// delta, no error feedback).
 //
 // Record format (inside a ring, little-endian, 16-byte aligned): a 32-byte
 // PackedChunkHeader, then num_elements encoded elements, then zero padding to
@@ -73,32 +76,41 @@ EMBER_HOST_DEVICE inline float bits_float(std::uint32_t u) {
 #endif
 }
 
+// The NaN every arithmetic helper below returns for a NaN result. Hardware
+// differs here: x86 SSE keeps an input NaN's payload and sign and makes
+// 0xffc00000 for inf - inf; NVIDIA GPUs return 0x7fffffff. One pattern on
+// both sides keeps NaN-carrying steps bit-identical too.
+inline constexpr std::uint32_t kCanonicalNanBits = 0x7fffffffu;
+EMBER_HOST_DEVICE inline float canonical_nan(float r) {
+  return r != r ? bits_float(kCanonicalNanBits) : r;
+}
+
 EMBER_HOST_DEVICE inline float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
+  return canonical_nan(__fmul_rn(a, b));
 #else
-  return a * b;
+  return canonical_nan(a * b);
 #endif
 }
 EMBER_HOST_DEVICE inline float add_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
+  return canonical_nan(__fadd_rn(a, b));
 #else
-  return a + b;
+  return canonical_nan(a + b);
 #endif
 }
 EMBER_HOST_DEVICE inline float sub_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
+  return canonical_nan(__fsub_rn(a, b));
 #else
-  return a - b;
+  return canonical_nan(a - b);
 #endif
 }
 EMBER_HOST_DEVICE inline float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
+  return canonical_nan(__fdiv_rn(a, b));
 #else
-  return a / b;
+  return canonical_nan(a / b);
 #endif
 }
 // Round to nearest integer, ties to even (the default rounding mode on host).

@@ -124,6 +124,27 @@ TEST(Codec, Fp32WithoutScalingKeepsEveryBit) {
   }
 }
 
+// A NaN that arithmetic makes is 0x7fffffff, as on the GPU, whatever the
+// host's FPU makes of it (x86: the input's payload and sign; 0xffc00000 for
+// inf - inf): CPU and GPU steps that carry NaNs stay bit-identical.
+TEST(Codec, ArithmeticMakesTheCanonicalNan) {
+  const float payload_nan = from_bits(0xffc00123u);
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(float_bits(mul_rn(payload_nan, 0.5f)), kCanonicalNanBits);
+  EXPECT_EQ(float_bits(add_rn(inf, -inf)), kCanonicalNanBits);
+  EXPECT_EQ(float_bits(sub_rn(inf, inf)), kCanonicalNanBits);
+  EXPECT_EQ(float_bits(div_rn(0.0f, 0.0f)), kCanonicalNanBits);
+  EXPECT_EQ(float_bits(mul_rn(2.0f, 3.0f)), float_bits(6.0f));  // numbers as they were
+  // bf16 with the default prescale (1/num_workers): the prescaled NaN.
+  const PackedElement b = pack_element<Codec::kBf16, false, false>(payload_nan, 0.0f, 0.0f, 0.5f, 0.0f);
+  EXPECT_EQ(b.bits, 0x7fffu);
+  // Error feedback fed +inf: the residual inf - inf, and every later step.
+  const PackedElement e = pack_element<Codec::kFp32, false, true>(inf, 0.0f, 0.0f, 1.0f, 0.0f);
+  EXPECT_EQ(float_bits(e.residual), kCanonicalNanBits);
+  const PackedElement next = pack_element<Codec::kFp32, false, true>(1.0f, e.residual, 0.0f, 1.0f, 0.0f);
+  EXPECT_EQ(next.bits, kCanonicalNanBits);
+}
+
 TEST(Codec, ErrorFeedbackResidualIsWhatTheCodecLost) {
   const float g = 0.1f;
   const float residual = 0.003f;
