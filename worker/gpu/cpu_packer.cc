@@ -36,12 +36,13 @@ void ring_read(const std::byte* ring, std::uint64_t capacity, std::uint64_t pos,
   std::memcpy(static_cast<std::byte*>(dst) + first, ring, n - first);
 }
 
-// Bounded wait: true as soon as ready() holds, false once `timeout` has
-// passed without it (then *waited_ms says how long it waited).
+// Bounded wait of one step: true as soon as ready() holds, false once the
+// step's deadline (its start + backpressure_timeout, shared by every ring it
+// waits for) has passed without it; then *waited_ms says how long the step
+// has waited since `start`.
 template <typename Ready>
-bool wait_until(Ready&& ready, std::chrono::nanoseconds timeout, std::uint32_t* waited_ms) {
-  if (ready()) return true;
-  const Clock::time_point start = Clock::now();
+bool wait_until(Ready&& ready, Clock::time_point start, std::chrono::nanoseconds timeout,
+                std::uint32_t* waited_ms) {
   for (;;) {
     if (ready()) return true;
     const Clock::duration waited = Clock::now() - start;
@@ -243,6 +244,9 @@ Status CpuPacker::pack(std::span<const float* const> sources, const SymBufferVie
   const std::uint64_t capacity = layout.ring_bytes;
 
   // 1. Room for the whole step in every ring, before anything is written.
+  // One timeout for the step, not one per ring (as the kernel's rings wait
+  // side by side).
+  const Clock::time_point start = Clock::now();
   for (std::uint64_t ring = 0; ring < layout.num_rings(); ++ring) {
     ChannelMeta* meta = layout.meta(buffer.base, ring, Direction::kSend);
     const std::uint64_t tail = load_position_acquire(meta->tail);
@@ -264,7 +268,7 @@ Status CpuPacker::pack(std::span<const float* const> sources, const SymBufferVie
           head = load_position_acquire(meta->head);
           return capacity - (tail - head) >= need;
         },
-        options_.backpressure_timeout, &waited_ms);
+        start, options_.backpressure_timeout, &waited_ms);
     if (!ok) {
       StepStatus s = ring_status(StepStatusCode::kSendRingFull, ring, Direction::kSend, head, tail, need);
       s.waited_ms = waited_ms;
@@ -308,7 +312,9 @@ Status CpuPacker::unpack(std::span<float* const> destinations, const SymBufferVi
   const SymBufferLayout& layout = plan.layout();
   const std::uint64_t capacity = layout.ring_bytes;
 
-  // 1. A whole step in every ring, and every header as the plan says.
+  // 1. A whole step in every ring, and every header as the plan says. One
+  // timeout for the step, as in pack.
+  const Clock::time_point start = Clock::now();
   for (std::uint64_t ring = 0; ring < layout.num_rings(); ++ring) {
     ChannelMeta* meta = layout.meta(buffer.base, ring, Direction::kRecv);
     const std::uint64_t head = load_position_acquire(meta->head);
@@ -330,7 +336,7 @@ Status CpuPacker::unpack(std::span<float* const> destinations, const SymBufferVi
           tail = load_position_acquire(meta->tail);
           return tail - head >= need;
         },
-        options_.backpressure_timeout, &waited_ms);
+        start, options_.backpressure_timeout, &waited_ms);
     if (!ok) {
       StepStatus s = ring_status(StepStatusCode::kRecvRingEmpty, ring, Direction::kRecv, head, tail, need);
       s.waited_ms = waited_ms;

@@ -34,8 +34,9 @@
 namespace ember::gpu {
 
 struct CpuPackerOptions {
-  // How long pack() waits for ring space and unpack() for data before
-  // failing with kTimeout. Zero: fail at once.
+  // How long one pack() waits for ring space and one unpack() for data
+  // before failing with kTimeout: one bound for the step, however many
+  // rings it waits for. Zero: fail at once.
   std::chrono::nanoseconds backpressure_timeout = std::chrono::seconds(5);
 };
 

@@ -147,6 +147,39 @@ TEST(CpuPacker, RingFilledToExactlyItsCapacityThenBackpressureNamesTheRing) {
   EXPECT_EQ(ring.tail(), 768u);
 }
 
+// backpressure_timeout bounds the whole step: rings that drain one after
+// another, each just before the timeout, do not add their waits up.
+TEST(CpuPacker, BackpressureTimeoutBoundsTheStepNotEachRing) {
+  TensorSet src = make_tensors({4096, 4096, 4096, 4096});
+  PlanOptions o;
+  o.num_channels = 2;
+  o.partition_bytes = 4096;
+  Rig rig = make_rig(src, o, 500ms);
+  const auto sources = src.const_ptrs();
+  ASSERT_TRUE(rig.packer.pack(sources, rig.buffer.view()).has_value());
+  // Both rings (channels 0 and 1) hold a step they cannot take twice: the
+  // next pack waits.
+  const std::uint64_t capacity = rig.plan->layout().ring_bytes;
+  for (std::uint64_t ring = 0; ring < rig.plan->layout().num_rings(); ++ring) {
+    ASSERT_GT(2 * rig.plan->ring_step_bytes()[ring], capacity) << ring;
+  }
+  // The first ring drains at half the timeout; the other never does.
+  RingView first = rig.buffer.ring(0, 0, Direction::kSend);
+  std::thread drain([&] {
+    std::this_thread::sleep_for(250ms);
+    first.consume(first.readable().size());
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto st = rig.packer.pack(sources, rig.buffer.view());
+  const auto took = std::chrono::steady_clock::now() - t0;
+  drain.join();
+  ASSERT_FALSE(st.has_value());
+  EXPECT_EQ(st.error().code(), ErrorCode::kTimeout);
+  // One timeout (500 ms), not 250 ms + another 500 ms for the next ring.
+  EXPECT_LT(took, 700ms) << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                         << " ms: " << st.error().to_string();
+}
+
 TEST(CpuPacker, BackpressureErrorNamesTheFullRingAmongMany) {
   TensorSet src = make_tensors(mixed_sizes(200, 6));
   PlanOptions o;

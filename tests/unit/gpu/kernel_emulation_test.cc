@@ -2,6 +2,9 @@
 // shuffled tile order) produces the same bytes, state and outputs as the
 // independent CPU reference, for every codec × delta × error-feedback
 // combination, unaligned tensors, and records that wrap around a ring's end.
+#include <algorithm>
+#include <vector>
+
 #include <gtest/gtest.h>
 
 #include "tests/unit/gpu/gpu_test_support.h"
@@ -93,9 +96,18 @@ TEST(KernelEmulation, ChecksFailBeforeAnythingIsWritten) {
   EmulatedState st(*plan);
   const auto sources = src.const_ptrs();
   ASSERT_TRUE(emulate_pack(*plan, sources, buf->view(), st, 1).has_value());
+  // Buffer and state after the step that fitted: the failing one must leave
+  // both as they are.
+  const SymBufferView view = buf->view();
+  const std::vector<std::byte> before(view.base, view.base + view.layout.total_bytes());
+  const std::vector<float> residuals = st.residuals;
+  const std::vector<float> send_refs = st.send_refs;
   auto again = emulate_pack(*plan, sources, buf->view(), st, 2);
   ASSERT_FALSE(again.has_value());
   EXPECT_EQ(again.error().code(), ErrorCode::kTimeout);
+  EXPECT_TRUE(std::equal(before.begin(), before.end(), view.base)) << "the failed step wrote";
+  EXPECT_EQ(st.residuals, residuals);
+  EXPECT_EQ(st.send_refs, send_refs);
   // The first ring that cannot take a second step.
   std::uint64_t first = 0;
   while (2 * plan->ring_step_bytes()[first] <= plan->layout().ring_bytes) ++first;
