@@ -8,7 +8,7 @@
 #   2. gpu_kernels_test (label gpu): every kernel result compared bit for bit
 #      with the CPU reference; EMBER_REQUIRE_GPU=1 makes a skip a failure;
 #   3. the same once under compute-sanitizer memcheck, and a subset under
-#      racecheck;
+#      racecheck (shared-memory hazards) and synccheck (barrier misuse);
 #   4. gpu_test (CPU reference, host emulation of the kernels);
 #   4b. gpu_exchange_cuda_test (label gpu): DeviceExchange push_device /
 #      pull_device of device tensors through a real in-process server,
@@ -31,6 +31,11 @@
 #                                         (GPU tests skip, no sanitizers)
 # On the device machine tool, after --make-bundle here:
 #   run(command="scripts/gpu-check.sh", carry=["build/gpu-bundle"], timeout_s=540)
+# Every step has its own time limit, and all of them together stay within
+# EMBER_GPU_CHECK_BUDGET_S seconds (default 480) once the build is ready
+# (a bundle: at once; the device tool's limit must cover a build here): a step that
+# would run past it gets only what is left (a hang costs its step, not the
+# SUMMARY line), and steps with nothing left are reported as `budget`.
 # Logs go to $OUT (when set) as gpu-check.log and bench.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +48,7 @@ while (($#)); do
     --make-bundle) mode=make-bundle; shift ;;
     --bundle) mode=bundle; bundle="$2"; shift 2 ;;
     --no-gpu-ok) require_gpu=0; shift ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -57,6 +62,8 @@ fi
 targets=(gpu_kernels_test gpu_test ember-bench-gpu gpu_exchange_cuda_test gpu_exchange_test)
 nvcc_bin="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
 start_s=$SECONDS
+budget_s="${EMBER_GPU_CHECK_BUDGET_S:-480}"
+bench_reserve_s=60  # kept for ember-bench-gpu by the steps before it
 
 # --- building -----------------------------------------------------------------
 
@@ -148,6 +155,7 @@ else
   exchange_ref_test="$bin_dir/tests/integration/gpu/gpu_exchange_test"
 fi
 log "build ready after $((SECONDS - start_s)) s"
+checks_start_s=$SECONDS  # the budget counts from here (a build here is not in it)
 
 # --- checks -------------------------------------------------------------------
 
@@ -159,6 +167,13 @@ export EMBER_REQUIRE_GPU=$require_gpu
 run_step() {  # $1 = summary key, $2 = timeout s, then the command
   local key="$1" limit="$2"; shift 2
   local t0=$SECONDS
+  local left=$((budget_s - (SECONDS - checks_start_s) - bench_reserve_s))
+  if ((left < 10)); then
+    summary+=("$key=budget"); failed=1
+    log "$key: not run: the ${budget_s} s budget is spent"
+    return
+  fi
+  ((limit > left)) && limit=$left
   log "$key: $*"
   timeout --kill-after=10 "$limit" "$@"
   local rc=$?
@@ -172,12 +187,13 @@ run_step() {  # $1 = summary key, $2 = timeout s, then the command
   log "$key: rc=$rc after $((SECONDS - t0)) s"
 }
 
-# Time limits add up to 8 minutes; a normal run takes a few.
-run_step gpu_tests 90 "$kernels_test" --gtest_brief=1
-run_step gpu_ref_tests 60 "$ref_test" --gtest_brief=1
+# Limits per step; the budget (above) caps their sum, keeping
+# bench_reserve_s for the benchmark. A normal run takes a few minutes.
+run_step gpu_tests 60 "$kernels_test" --gtest_brief=1
+run_step gpu_ref_tests 30 "$ref_test" --gtest_brief=1
 if [[ -x $exchange_test ]]; then
-  run_step exchange_gpu 90 "$exchange_test" --gtest_brief=1
-  run_step exchange_ref 60 "$exchange_ref_test" --gtest_brief=1
+  run_step exchange_gpu 60 "$exchange_test" --gtest_brief=1
+  run_step exchange_ref 30 "$exchange_ref_test" --gtest_brief=1
 else
   summary+=("exchange_gpu=missing"); failed=1
   log "no $exchange_test (a bundle made before DeviceExchange: make it again)"
@@ -186,24 +202,32 @@ fi
 sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
 if ((require_gpu)) && [[ -x $sanitizer ]]; then
   # The 10,000-tensor case is covered above; under the sanitizer it only costs time.
-  run_step memcheck 120 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
+  run_step memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
     "$kernels_test" --gtest_brief=1 --gtest_filter=-*TenThousand*
-  run_step racecheck 90 "$sanitizer" --tool racecheck --error-exitcode 3 --print-limit 20 \
+  # racecheck sees shared-memory hazards only; the kernels coordinate through
+  # global memory, which the two-stream test exercises (APackAndAnUnpack...).
+  run_step racecheck 45 "$sanitizer" --tool racecheck --error-exitcode 3 --print-limit 20 \
     "$kernels_test" --gtest_brief=1 \
     --gtest_filter=*MatchesTheCpuReferenceInDeviceMemory*:*FullRing*:*RejectsARecord*
+  run_step synccheck 45 "$sanitizer" --tool synccheck --error-exitcode 3 --print-limit 20 \
+    "$kernels_test" --gtest_brief=1 \
+    --gtest_filter=*MatchesTheCpuReferenceInDeviceMemory*:*TwoStreams*:*RejectsARecord*
   if [[ -x $exchange_test ]]; then
-    run_step exchange_memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
+    run_step exchange_memcheck 60 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
       "$exchange_test" --gtest_brief=1 --gtest_filter=*Fp32*:*HostPointers*
   fi
 else
-  summary+=("memcheck=skipped" "racecheck=skipped")
+  summary+=("memcheck=skipped" "racecheck=skipped" "synccheck=skipped")
   log "compute-sanitizer not run (no GPU required or not installed)"
 fi
 
 bench_out="${out_dir:-build}/bench.txt"
 mkdir -p "$(dirname "$bench_out")"
-log "ember-bench-gpu"
-timeout --kill-after=10 120 "$bench" | tee "$bench_out"
+bench_limit=$((budget_s - (SECONDS - checks_start_s)))
+((bench_limit > 90)) && bench_limit=90
+((bench_limit < 10)) && bench_limit=10
+log "ember-bench-gpu (limit ${bench_limit} s)"
+timeout --kill-after=10 "$bench_limit" "$bench" | tee "$bench_out"
 bench_rc=${PIPESTATUS[0]}
 bench_summary="$(grep '^SUMMARY ' "$bench_out" | tail -1 | sed 's/^SUMMARY //')"
 if ((bench_rc != 0)) || [[ -z $bench_summary ]]; then

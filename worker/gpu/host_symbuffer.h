@@ -73,8 +73,8 @@ class HostSymBuffer {
   // Errors: kInvalidArgument for an invalid layout; kIo (ENOMEM) when the
   // allocation fails.
   static Result<HostSymBuffer> allocate(const SymBufferLayout& layout);
-  // Uses `region` (e.g. a page-pool block) without owning it; zeroes every
-  // ChannelMeta. Errors: kInvalidArgument for an invalid layout, a region
+  // Uses `region` (e.g. a page-pool block) without owning it; sets every
+  // ring's head and tail to 0. Errors: kInvalidArgument for an invalid layout, a region
   // that is not 128-byte aligned or shorter than layout.total_bytes().
   static Result<HostSymBuffer> wrap(const SymBufferLayout& layout, std::span<std::byte> region);
 
@@ -99,7 +99,8 @@ class HostSymBuffer {
   SymBufferView view_{};
 };
 
-// Zeroes every ChannelMeta of a buffer (positions 0: all rings empty).
+// Sets every ring's head and tail to 0 (all rings empty); the rest of each
+// ChannelMeta is left as it is.
 void reset_positions(const SymBufferView& view);
 
 // Moves every send ring's readable bytes into the recv ring of the same

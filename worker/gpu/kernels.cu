@@ -373,8 +373,20 @@ __global__ void __launch_bounds__(kLoopbackThreads) loopback_kernel(const Loopba
     const std::uint64_t recv_tail = load_position(recv->tail);
     const std::uint64_t bytes = send_tail - send_head;
     s_ok = false;
-    if ((send_head | send_tail | recv_tail) % kRecordAlignBytes != 0) {
+    // Each ring's own positions are reported (the host loopback's RingView
+    // stops on the same cases with EMBER_CHECK); a ring holding more than its
+    // capacity is corrupt (the free-space subtraction below would wrap).
+    if ((send_head | send_tail) % kRecordAlignBytes != 0) {
+      report(a.status, ring_status(StepStatusCode::kMisaligned, ring, Direction::kSend, send_head,
+                                   send_tail, bytes));
+    } else if (bytes > capacity) {
+      report(a.status, ring_status(StepStatusCode::kRingCorrupt, ring, Direction::kSend, send_head,
+                                   send_tail, bytes));
+    } else if (recv_tail % kRecordAlignBytes != 0) {
       report(a.status, ring_status(StepStatusCode::kMisaligned, ring, Direction::kRecv, recv_head,
+                                   recv_tail, bytes));
+    } else if (recv_tail - recv_head > capacity) {
+      report(a.status, ring_status(StepStatusCode::kRingCorrupt, ring, Direction::kRecv, recv_head,
                                    recv_tail, bytes));
     } else if (capacity - (recv_tail - recv_head) < bytes) {
       report(a.status, ring_status(StepStatusCode::kNoSpace, ring, Direction::kRecv, recv_head,
