@@ -5,7 +5,9 @@
 //   ember-server --config FILE --print-config     print the effective config and exit
 //
 // Runs until SIGTERM or SIGINT, then drains, writes a final checkpoint (when
-// server.checkpoint_dir is set) and exits 0. Under systemd (NOTIFY_SOCKET
+// server.checkpoint_dir is set) and exits 0; a second SIGTERM or SIGINT
+// meanwhile exits at once (128 + the signal number) without the checkpoint.
+// A stop signal during start-up stops it before the ready line. Under systemd (NOTIFY_SOCKET
 // set) it reports READY=1 once listening and pings WATCHDOG=1 at half the
 // watchdog interval. Once listening it prints one line to stdout:
 //   ember-server ready listen=127.0.0.1:7070 metrics=127.0.0.1:9100
@@ -14,10 +16,15 @@
 // library stop here with a message and exit code 1.
 #include <signal.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -42,11 +49,21 @@ void notify(const std::string& state) {
 #endif
 }
 
-// Watchdog ping interval: half of WATCHDOG_USEC when systemd asks for pings.
+// Longest wait of the signal loop, and so the longest watchdog ping
+// interval: pinging more often than asked is harmless, and a WATCHDOG_USEC
+// of years would overflow the nanoseconds of the wait.
+constexpr std::chrono::seconds kLongestTick{3600};
+
+// Watchdog ping interval: half of WATCHDOG_USEC when systemd asks for pings
+// (at most kLongestTick); 0 when it does not.
 std::chrono::microseconds watchdog_interval() {
 #ifdef EMBER_HAVE_SYSTEMD
   std::uint64_t usec = 0;
-  if (sd_watchdog_enabled(0, &usec) > 0 && usec > 0) return std::chrono::microseconds(usec / 2);
+  if (sd_watchdog_enabled(0, &usec) > 0 && usec > 0) {
+    const std::uint64_t half = usec / 2;
+    const std::uint64_t longest = std::chrono::microseconds(kLongestTick).count();
+    return std::chrono::microseconds(std::max<std::uint64_t>(1, std::min(half, longest)));
+  }
 #endif
   return std::chrono::microseconds(0);
 }
@@ -60,8 +77,9 @@ int run(int argc, char** argv) {
   bool print_config = false;
   app.add_option("-c,--config", config_path, "TOML config file (see config/ember.toml); "
                                              "without it the built-in defaults are used");
-  app.add_option("--listen", listen,
-                 "HOST:PORT to bind, overriding server.listen (port 0: any free port)");
+  CLI::Option* listen_option =
+      app.add_option("--listen", listen,
+                     "HOST:PORT to bind, overriding server.listen (port 0: any free port)");
   app.add_option("--set", overrides, "override one key: table.key=value (repeatable)");
   CLI::Option* check = app.add_flag("--check-config", check_config,
                                     "validate the configuration and exit (0 = valid, 1 = not): the file, the listen "
@@ -74,11 +92,16 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ExtrasError& e) {
-    // Most often `ember-server --check-config FILE`: the file needs --config.
     const int code = ember::cli_exit(app, e);
-    std::fprintf(stderr, "ember-server takes no positional arguments: give the config file with "
-                         "--config FILE (e.g. ember-server --config config/ember.toml "
-                         "--check-config)\n");
+    // Most often `ember-server --check-config FILE`: the file needs --config.
+    // (An unknown --option is only named, above.)
+    bool positional = false;
+    for (const std::string& extra : app.remaining()) positional |= !extra.starts_with('-');
+    if (positional) {
+      std::fprintf(stderr, "ember-server takes no positional arguments: give the config file with "
+                           "--config FILE (e.g. ember-server --config config/ember.toml "
+                           "--check-config)\n");
+    }
     return code;
   } catch (const CLI::ParseError& e) {
     return ember::cli_exit(app, e);  // 2: the command line itself is wrong
@@ -92,7 +115,22 @@ int run(int argc, char** argv) {
     return 1;
   }
   ember::config::Config config = std::move(*loaded);
-  if (!listen.empty()) {
+  if (listen_option->count() > 0) {
+    if (listen.empty()) {
+      // Most often an unset variable in a unit or script (--listen "$ADDR").
+      std::fprintf(stderr, "ember-server: --listen was given an empty value; give HOST:PORT, or "
+                           "leave --listen out to use server.listen or this server's "
+                           "cluster.servers entry\n");
+      return 1;
+    }
+    for (const std::string& o : overrides) {
+      if (o.starts_with("server.listen=")) {
+        std::fprintf(stderr, "ember-server: --listen %s and --set %s both give the listen "
+                             "address; give one of them\n",
+                     listen.c_str(), o.c_str());
+        return 1;
+      }
+    }
     if (auto s = ember::config::set_listen(config, listen); !s) {
       std::fprintf(stderr, "ember-server: --listen: %s\n", s.error().message().c_str());
       return 1;
@@ -138,28 +176,58 @@ int run(int argc, char** argv) {
   auto server = ember::server::Server::create(config);
   if (!server) {
     log->critical("cannot start: {}", server.error().to_string());
+    if (config.server.log_level == ember::config::LogLevel::kOff) {
+      // The log is silenced, but a failed start is never silent.
+      std::fprintf(stderr, "ember-server: cannot start: %s\n", server.error().to_string().c_str());
+    }
     notify(fmt::format("STATUS=failed: {}", server.error().message()));
     return 1;
   }
-  std::printf("ember-server ready listen=%s metrics=%s\n", (*server)->address().c_str(),
-              (*server)->metrics_address().c_str());
-  std::fflush(stdout);
-  notify(fmt::format("READY=1\nSTATUS=serving on {}", (*server)->address()));
 
+  // A stop signal that came while the server started (pre-faulting a large
+  // pool takes seconds): stop now, without announcing a server that is
+  // already on its way out.
+  const timespec now{};
+  int signal_number = sigtimedwait(&stop_signals, nullptr, &now);
+  if (signal_number < 0) signal_number = 0;
   const auto watchdog = watchdog_interval();
-  const auto tick = watchdog.count() > 0 ? std::chrono::duration_cast<std::chrono::nanoseconds>(watchdog)
-                                         : std::chrono::nanoseconds(std::chrono::seconds(3600));
-  int signal_number = 0;
+  if (signal_number == 0) {
+    std::printf("ember-server ready listen=%s metrics=%s\n", (*server)->address().c_str(),
+                (*server)->metrics_address().c_str());
+    std::fflush(stdout);
+    notify(fmt::format("READY=1\nSTATUS=serving on {}", (*server)->address()));
+  }
+  const std::chrono::nanoseconds tick =
+      watchdog.count() > 0 ? std::chrono::nanoseconds(watchdog) : std::chrono::nanoseconds(kLongestTick);
   while (signal_number == 0) {
     timespec ts{};
     ts.tv_sec = static_cast<time_t>(tick.count() / 1'000'000'000);
     ts.tv_nsec = static_cast<long>(tick.count() % 1'000'000'000);
     const int s = sigtimedwait(&stop_signals, nullptr, &ts);
-    if (s > 0) signal_number = s;
+    if (s > 0) {
+      signal_number = s;
+    } else if (errno != EAGAIN && errno != EINTR) {
+      // Never spin: wait without a timeout (and without watchdog pings).
+      log->error("sigtimedwait failed ({}); waiting for SIGTERM/SIGINT without watchdog pings",
+                 std::strerror(errno));
+      if (sigwait(&stop_signals, &signal_number) != 0) signal_number = SIGTERM;
+      break;
+    }
     if (watchdog.count() > 0) notify("WATCHDOG=1");
   }
-  log->info("received {}: stopping", signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
+  log->info("received {}: stopping (a second SIGTERM or SIGINT stops at once, without the final "
+            "checkpoint)",
+            signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
   notify("STOPPING=1");
+  // A second stop signal during the drain and the final checkpoint (say a
+  // hung one) ends the process at once, as operators expect of Ctrl-C twice.
+  std::thread([stop_signals, log] {
+    int again = 0;
+    if (sigwait(&stop_signals, &again) != 0) return;
+    log->warn("received {} again while stopping: exiting now, without the final checkpoint",
+              again == SIGTERM ? "SIGTERM" : "SIGINT");
+    std::_Exit(128 + again);
+  }).detach();
   if (auto s = (*server)->shutdown(); !s) {
     log->error("final checkpoint failed: {}", s.error().to_string());
     return 1;

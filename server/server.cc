@@ -1590,11 +1590,19 @@ Status check_listen_address(const config::Config& config) {
     // Resolved as the endpoint resolves it at start, whatever the transport.
     EMBER_TRY(MetricsHttp::resolve(metrics->host, metrics->port));
   }
-  if (config.communication.transport != config::Transport::kTcp) return ok_status();
+  // tcp and rdma listeners refuse a non-loopback address without a token,
+  // and "auto" listens with tcp (and rdma where a port is active); shm
+  // stays on the host.
+  if (config.communication.transport == config::Transport::kShm) return ok_status();
   const std::string address =
       proto::endpoint_address(transport::Kind::kTcp, config::effective_listen(config));
-  EMBER_ASSIGN_OR_RETURN(const auto endpoint, transport::tcp::resolve_endpoint(address));
-  if (!endpoint.address().is_loopback() && config.communication.auth_token.empty()) {
+  auto endpoint = transport::tcp::resolve_endpoint(address);
+  if (!endpoint) {
+    Error e = endpoint.error();
+    e.with_context("[server] listen (or [cluster] servers for this server_index, or --listen)");
+    return tl::unexpected(e);
+  }
+  if (!endpoint->address().is_loopback() && config.communication.auth_token.empty()) {
     return make_error(ErrorCode::kConfig,
                       "listening on {} (not a loopback address) needs an auth token: set "
                       "[communication] auth_token to a shared secret on the server and the workers",

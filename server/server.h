@@ -81,12 +81,13 @@ class Server {
 
 // What `ember-server --check-config` checks beyond config::validate: that
 // server.metrics_listen (when set) resolves, as the metrics endpoint
-// resolves it at start; that a tcp server's listen address (server.listen,
-// else its cluster.servers entry) resolves, and that one which is not a
-// loopback address has an auth_token (as Transport::listen will demand at
-// start). Resolves names
-// with the system resolver (blocking). Errors: kConfig naming the address
-// and the key to set; kInvalidArgument/kIo from resolving.
+// resolves it at start; that the listen address (server.listen, else its
+// cluster.servers entry) of a tcp, rdma or auto server resolves, and that one
+// which is not a loopback address has an auth_token (as the tcp and rdma
+// listeners demand at start; shm is not checked). Resolves names with the
+// system resolver (blocking). Errors: kConfig naming the address and the key
+// to set; kInvalidArgument/kIo from resolving, naming the keys that give the
+// address.
 Status check_listen_address(const config::Config& config);
 
 // What ember-server checks of server.shard_cpu_affinity before it starts (and

@@ -857,6 +857,31 @@ TEST(ServerCli, CheckConfigRefusesBadFilesWithFileAndLine) {
                                  "auth token"),
             std::string::npos)
       << open_listen.err;
+  // So do the rdma listener and "auto" (which listens with tcp); they used
+  // to pass here and fail at start.
+  for (const char* transport : {"auto", "rdma"}) {
+    auto r = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--listen", "0.0.0.0:7070",
+                           "--set", std::string("communication.transport=") + transport,
+                           "--check-config"});
+    EXPECT_EQ(r.status, 1) << transport << ": " << r.out;
+    EXPECT_NE(r.err.find("(not a loopback address) needs an auth token"), std::string::npos)
+        << transport << ": " << r.err;
+  }
+  // A listen host that does not resolve names the keys that give it.
+  auto unresolved = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--listen",
+                                  "listen.example.invalid:7070", "--check-config"});
+  EXPECT_EQ(unresolved.status, 1) << unresolved.out;
+  EXPECT_NE(unresolved.err.find("[server] listen"), std::string::npos) << unresolved.err;
+  // --listen and --set server.listen both given: refused, not one silently
+  // winning.
+  auto both = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--listen", "127.0.0.1:7071",
+                            "--set", "server.listen=127.0.0.1:7072", "--check-config"});
+  EXPECT_EQ(both.status, 1) << both.out;
+  EXPECT_NE(both.err.find("both give the listen address"), std::string::npos) << both.err;
+  auto empty_listen = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--listen", "",
+                                    "--check-config"});
+  EXPECT_EQ(empty_listen.status, 1) << empty_listen.out;
+  EXPECT_NE(empty_listen.err.find("--listen"), std::string::npos) << empty_listen.err;
   // A metrics_listen host that does not resolve: refused here, as at start
   // (it used to pass here and fail at start); a name that resolves is fine.
   auto bad_metrics = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--set",
@@ -954,6 +979,9 @@ TEST(ServerCli, UsageErrorsExitTwoNamingTheArgument) {
     EXPECT_EQ(r.status, 2) << c.needle << ": " << r.out << r.err;
     EXPECT_NE((r.out + r.err).find(c.needle), std::string::npos) << r.out << r.err;
   }
+  // An unknown option is not taken for a positional argument.
+  auto bogus = run_cli(dir, {"--bogus"});
+  EXPECT_EQ(bogus.err.find("positional"), std::string::npos) << bogus.err;
   auto help = run_cli(dir, {"--help"});
   EXPECT_EQ(help.status, 0) << help.err;
   EXPECT_NE(help.out.find("--check-config"), std::string::npos) << help.out;
@@ -974,42 +1002,89 @@ TEST(ServerCli, PrintConfigShowsTheEffectiveConfigWithOverrides) {
 // systemd Type=notify: READY=1 once listening, WATCHDOG=1 at half of
 // WATCHDOG_USEC, STOPPING=1 on SIGTERM. The test plays systemd's part with a
 // datagram socket named by NOTIFY_SOCKET.
-TEST(ServerCli, NotifiesSystemdReadyWatchdogAndStopping) {
-  TempDir dir;
-  const std::string sock_path = (dir / "notify.sock").string();
-  const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  std::strncpy(sa.sun_path, sock_path.c_str(), sizeof sa.sun_path - 1);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
-  ::setenv("NOTIFY_SOCKET", sock_path.c_str(), 1);
-  ::setenv("WATCHDOG_USEC", "200000", 1);
-  ClusterSpec spec;
-  auto server = std::make_unique<ServerProcess>(dir, spec, 0);
-  ::unsetenv("NOTIFY_SOCKET");
-  ::unsetenv("WATCHDOG_USEC");
-  ASSERT_TRUE(server->ok());
-  auto next = [&]() -> std::string {
+// A systemd notify socket in `dir`: the server started while it exists
+// (NOTIFY_SOCKET, WATCHDOG_USEC set for that start only) sends it its states.
+struct NotifyListener {
+  int fd = -1;
+  std::string path;
+  explicit NotifyListener(const TempDir& dir) : path((dir / "notify.sock").string()) {
+    fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    EXPECT_GE(fd, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::strncpy(sa.sun_path, path.c_str(), sizeof sa.sun_path - 1);
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  }
+  ~NotifyListener() { ::close(fd); }
+  std::unique_ptr<ServerProcess> start(const TempDir& dir, const std::string& watchdog_usec) {
+    ::setenv("NOTIFY_SOCKET", path.c_str(), 1);
+    ::setenv("WATCHDOG_USEC", watchdog_usec.c_str(), 1);
+    auto server = std::make_unique<ServerProcess>(dir, ClusterSpec{}, 0);
+    ::unsetenv("NOTIFY_SOCKET");
+    ::unsetenv("WATCHDOG_USEC");
+    return server;
+  }
+  // The next message, "" after `wait` without one.
+  std::string next(std::chrono::milliseconds wait = 10s) {
     pollfd pfd{fd, POLLIN, 0};
-    if (::poll(&pfd, 1, 10000) <= 0) return "";
+    if (::poll(&pfd, 1, static_cast<int>(wait.count())) <= 0) return "";
     char buf[512];
     const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
     return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "";
-  };
-  std::string got = next();
+  }
+  bool wait_for(const std::string& state, int messages) {
+    for (int i = 0; i < messages; ++i) {
+      if (next().find(state) != std::string::npos) return true;
+    }
+    return false;
+  }
+};
+
+TEST(ServerCli, NotifiesSystemdReadyWatchdogAndStopping) {
+  TempDir dir;
+  NotifyListener notify(dir);
+  auto server = notify.start(dir, "200000");
+  ASSERT_TRUE(server->ok());
+  std::string got = notify.next();
   EXPECT_NE(got.find("READY=1"), std::string::npos) << got;
-  bool watchdog = false;
-  for (int i = 0; i < 20 && !watchdog; ++i) watchdog = next().find("WATCHDOG=1") != std::string::npos;
-  EXPECT_TRUE(watchdog);
+  EXPECT_TRUE(notify.wait_for("WATCHDOG=1", 20));
   server->process().signal(SIGTERM);
-  bool stopping = false;
-  for (int i = 0; i < 40 && !stopping; ++i) stopping = next().find("STOPPING=1") != std::string::npos;
-  EXPECT_TRUE(stopping);
+  EXPECT_TRUE(notify.wait_for("STOPPING=1", 40));
   auto status = server->process().wait_exit();
   ASSERT_TRUE(status);
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
-  ::close(fd);
+}
+
+// A WATCHDOG_USEC of centuries used to overflow the signal loop's wait: it
+// spun, flooding systemd with WATCHDOG=1 and never taking SIGTERM.
+TEST(ServerCli, AHugeWatchdogIntervalNeitherSpinsNorIgnoresSigterm) {
+  TempDir dir;
+  NotifyListener notify(dir);
+  auto server = notify.start(dir, "20000000000000000");
+  ASSERT_TRUE(server->ok());
+  EXPECT_NE(notify.next().find("READY=1"), std::string::npos);
+  int pings = 0;
+  for (std::string m = notify.next(500ms); !m.empty(); m = notify.next(500ms)) {
+    pings += m.find("WATCHDOG=1") != std::string::npos ? 1 : 0;
+    if (pings > 10) break;
+  }
+  EXPECT_EQ(pings, 0);
+  server->process().signal(SIGTERM);
+  auto status = server->process().wait_exit(20s);
+  ASSERT_TRUE(status) << "SIGTERM did not stop the server";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+}
+
+// With the log off, a failed start still says why on stderr.
+TEST(ServerCli, AFailedStartIsNeverSilent) {
+  TempDir dir;
+  ServerProcess first(dir, ClusterSpec{}, 0);
+  ASSERT_TRUE(first.ok());
+  write_file(dir / "off.toml", cluster_toml(ClusterSpec{}, {first.address()}));
+  auto r = run_cli(dir, {"--config", (dir / "off.toml").string(), "--set",
+                         "server.log_level=off"});
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("cannot start"), std::string::npos) << r.err;
 }
 
 // Connections to 127.0.0.1:port (the kernel completes them from the listen
