@@ -1,9 +1,15 @@
 // Prometheus endpoint over Boost.Beast; see metrics_http.h.
 #include "server/metrics_http.h"
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/beast/core.hpp>
@@ -24,48 +30,222 @@ using tcp = asio::ip::tcp;
 
 namespace {
 
+// Open connections at most: idle or slow clients must not use up the file
+// descriptors the workers' connections need.
+constexpr std::size_t kMaxSessions = 64;
+// How long one connection may take to send its request and read the answer.
+constexpr std::chrono::seconds kSessionTimeout{10};
+// A scrape's request is a few hundred bytes; POST /checkpoint has no body.
+constexpr std::uint32_t kMaxRequestHeaderBytes = 16 * 1024;
+constexpr std::uint64_t kMaxRequestBodyBytes = 4 * 1024;
+// Checkpoint requests queued or running at once; more get 503.
+constexpr std::size_t kMaxCheckpointRequests = 4;
+
+// The path of a request target: origin form ("/metrics?x=1") or absolute
+// form ("http://host:9100/metrics"), without its query.
+std::string_view target_path(std::string_view target) {
+  if (target.starts_with("http://") || target.starts_with("https://")) {
+    const std::size_t authority = target.find("//") + 2;
+    const std::size_t slash = target.find('/', authority);
+    target = slash == std::string_view::npos ? std::string_view("/") : target.substr(slash);
+  }
+  return target.substr(0, target.find_first_of("?#"));
+}
+
+// Compares in time independent of where the strings differ (a token).
+bool same_secret(std::string_view a, std::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
+class Session;
+
+}  // namespace
+
+struct MetricsHttp::Impl {
+  // Open sessions. First member: sessions that io's destructor drops still
+  // count themselves out.
+  std::atomic<std::size_t> sessions{0};
+  asio::io_context io{1};
+  tcp::acceptor acceptor{io};
+  const metrics::Registry* registry = nullptr;
+  std::function<void()> refresh;
+  std::function<Result<std::string>()> checkpoint;
+  std::string auth_token;
+  transport::AcceptPacer accept_pacer{log::logger("server"), "metrics endpoint"};  // io's thread
+  std::thread thread;
+  // io's thread: the sessions in the order they were accepted (expired ones
+  // pruned as met), and whether making room was logged.
+  std::deque<std::weak_ptr<Session>> accepted;
+  bool refusal_logged = false;
+  // Checkpoint requests run one after another on their own thread, off the
+  // endpoint's (a checkpoint of a large model takes seconds; scrapes and
+  // probes must not wait for it). Started at the first request; stop()
+  // joins it after io's thread.
+  std::mutex checkpoint_mutex;
+  std::condition_variable checkpoint_cv;
+  std::deque<std::function<void()>> checkpoint_jobs;  // under checkpoint_mutex
+  bool checkpoint_busy = false;                       // under checkpoint_mutex
+  bool checkpoint_stop = false;                       // under checkpoint_mutex
+  std::thread checkpoint_thread;
+
+  void accept();
+  // At kMaxSessions: closes the oldest session still waiting for its
+  // request (an idle or slow client). False when every one is answering.
+  bool evict_oldest_reader();
+  // Queues a checkpoint job; false when kMaxCheckpointRequests wait already.
+  bool queue_checkpoint(std::function<void()> job);
+  void checkpoint_loop();
+};
+
+bool MetricsHttp::Impl::queue_checkpoint(std::function<void()> job) {
+  std::lock_guard lock(checkpoint_mutex);
+  if (checkpoint_stop) return false;
+  if (checkpoint_jobs.size() + (checkpoint_busy ? 1 : 0) >= kMaxCheckpointRequests) return false;
+  checkpoint_jobs.push_back(std::move(job));
+  if (!checkpoint_thread.joinable()) checkpoint_thread = std::thread([this] { checkpoint_loop(); });
+  checkpoint_cv.notify_one();
+  return true;
+}
+
+void MetricsHttp::Impl::checkpoint_loop() {
+  pthread_setname_np(pthread_self(), "ember-ckpt-http");
+  std::unique_lock lock(checkpoint_mutex);
+  for (;;) {
+    checkpoint_cv.wait(lock, [&] { return checkpoint_stop || !checkpoint_jobs.empty(); });
+    if (checkpoint_stop) return;  // queued jobs go with the deque
+    std::function<void()> job = std::move(checkpoint_jobs.front());
+    checkpoint_jobs.pop_front();
+    checkpoint_busy = true;
+    lock.unlock();
+    job();
+    job = nullptr;  // its session, outside the lock
+    lock.lock();
+    checkpoint_busy = false;
+  }
+}
+
+namespace {
+
 // One HTTP exchange: read a request, write a response, close.
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, const metrics::Registry& registry, const std::function<void()>& refresh,
-          const std::function<Result<std::string>()>& checkpoint)
-      : stream_(std::move(socket)), registry_(registry), refresh_(refresh), checkpoint_(checkpoint) {}
+  Session(tcp::socket socket, MetricsHttp::Impl& impl) : stream_(std::move(socket)), impl_(impl) {
+    impl_.sessions.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~Session() { impl_.sessions.fetch_sub(1, std::memory_order_relaxed); }
+
+  // Still waiting for its request (an idle or slow client, which a new
+  // connection may displace).
+  bool reading() const { return reading_; }
+  void evict() { stream_.close(); }  // its read ends with operation_aborted
 
   void start() {
-    stream_.expires_after(std::chrono::seconds(10));
-    http::async_read(stream_, buffer_, request_,
-                     [self = shared_from_this()](beast::error_code ec, std::size_t) {
-                       if (!ec) self->respond();
-                     });
+    beast::error_code peer_error;
+    const auto peer = stream_.socket().remote_endpoint(peer_error);
+    peer_loopback_ = !peer_error && peer.address().is_loopback();
+    stream_.expires_after(kSessionTimeout);
+    parser_.header_limit(kMaxRequestHeaderBytes);
+    parser_.body_limit(kMaxRequestBodyBytes);
+    http::async_read(stream_, buffer_, parser_, [self = shared_from_this()](beast::error_code ec, std::size_t) {
+      if (!ec) {
+        self->respond();
+      } else if (ec == http::error::header_limit || ec == http::error::body_limit) {
+        self->reply(http::status::payload_too_large, "request too large for the metrics endpoint\n");
+      } else if (ec != beast::error::timeout && ec != http::error::end_of_stream &&
+                 ec != asio::error::eof && ec != asio::error::connection_reset) {
+        self->reply(http::status::bad_request, "malformed HTTP request: " + ec.message() + "\n");
+      }
+    });
   }
 
  private:
   void respond() {
-    response_.version(request_.version());
-    response_.keep_alive(false);
-    const auto target = request_.target();
-    if (request_.method() == http::verb::get && (target == "/metrics" || target == "/")) {
-      if (refresh_) refresh_();
-      response_.result(http::status::ok);
-      response_.set(http::field::content_type, std::string(metrics::kExpositionContentType));
-      response_.body() = registry_.render();
-    } else if (request_.method() == http::verb::post && target == "/checkpoint" && checkpoint_) {
-      auto r = checkpoint_();
-      response_.set(http::field::content_type, "text/plain");
-      if (r) {
-        response_.result(http::status::ok);
-        response_.body() = *r + "\n";
-      } else {
-        response_.result(r.error().code() == ErrorCode::kConfig ? http::status::conflict
-                                                                : http::status::internal_server_error);
-        response_.body() = r.error().to_string() + "\n";
+    reading_ = false;
+    const http::request<http::string_body>& request = parser_.get();
+    const std::string_view path =
+        target_path(std::string_view(request.target().data(), request.target().size()));
+    const http::verb method = request.method();
+    if (path == "/metrics" || path == "/") {
+      if (method != http::verb::get && method != http::verb::head) {
+        response_.set(http::field::allow, "GET, HEAD");
+        reply(http::status::method_not_allowed, "metrics are read with GET /metrics\n");
+        return;
       }
-    } else {
-      response_.result(http::status::not_found);
-      response_.set(http::field::content_type, "text/plain");
-      response_.body() = "not found; metrics are at /metrics\n";
+      if (impl_.refresh) impl_.refresh();
+      response_.set(http::field::content_type, std::string(metrics::kExpositionContentType));
+      reply(http::status::ok, impl_.registry->render(), method == http::verb::head);
+      return;
     }
-    response_.prepare_payload();
+    if (path == "/checkpoint" && impl_.checkpoint) {
+      if (method != http::verb::post) {
+        response_.set(http::field::allow, "POST");
+        reply(http::status::method_not_allowed, "ask for a checkpoint with POST /checkpoint\n");
+        return;
+      }
+      if (!impl_.auth_token.empty()) {
+        const auto header = request[http::field::authorization];
+        const std::string_view given(header.data(), header.size());
+        if (!given.starts_with("Bearer ") || !same_secret(given.substr(7), impl_.auth_token)) {
+          response_.set(http::field::www_authenticate, "Bearer");
+          reply(http::status::unauthorized,
+                "POST /checkpoint needs the job's [communication] auth_token as 'Authorization: "
+                "Bearer <token>' (emberctl checkpoint --config FILE sends it)\n");
+          return;
+        }
+      } else if (!peer_loopback_) {
+        reply(http::status::forbidden,
+              "POST /checkpoint from another host needs an auth token: set [communication] "
+              "auth_token on the server and give it to emberctl (--config FILE)\n");
+        return;
+      }
+      start_checkpoint();
+      return;
+    }
+    reply(http::status::not_found, "not found; metrics are at /metrics\n");
+  }
+
+  void start_checkpoint() {
+    // The job holds the session; its reply is written on io's thread (posted
+    // to a stopped io_context, it goes with it).
+    const bool queued = impl_.queue_checkpoint([self = shared_from_this()] {
+      Result<std::string> r = self->impl_.checkpoint();
+      asio::post(self->impl_.io, [self, r = std::move(r)] {
+        self->response_.set(http::field::content_type, "text/plain");
+        if (r) {
+          self->reply(http::status::ok, *r + "\n");
+        } else {
+          self->reply(r.error().code() == ErrorCode::kConfig ? http::status::conflict
+                                                             : http::status::internal_server_error,
+                      r.error().to_string() + "\n");
+        }
+      });
+    });
+    if (!queued) {
+      reply(http::status::service_unavailable,
+            "checkpoint requests are already waiting for this server; retry when they end\n");
+    }
+  }
+
+  // Writes the response and closes. `head_only`: the headers of `body`
+  // (Content-Length included) without it.
+  void reply(http::status status, std::string body, bool head_only = false) {
+    response_.version(parser_.get().version() == 10 ? 10 : 11);
+    response_.keep_alive(false);
+    response_.result(status);
+    if (response_.find(http::field::content_type) == response_.end()) {
+      response_.set(http::field::content_type, "text/plain");
+    }
+    if (head_only) {
+      response_.content_length(body.size());
+    } else {
+      response_.body() = std::move(body);
+      response_.prepare_payload();
+    }
+    stream_.expires_after(kSessionTimeout);
     http::async_write(stream_, response_, [self = shared_from_this()](beast::error_code, std::size_t) {
       beast::error_code ignored;
       self->stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
@@ -74,40 +254,75 @@ class Session : public std::enable_shared_from_this<Session> {
 
   beast::tcp_stream stream_;
   beast::flat_buffer buffer_;
-  http::request<http::string_body> request_;
+  http::request_parser<http::string_body> parser_;
   http::response<http::string_body> response_;
-  const metrics::Registry& registry_;
-  const std::function<void()>& refresh_;
-  const std::function<Result<std::string>()>& checkpoint_;
+  MetricsHttp::Impl& impl_;
+  bool peer_loopback_ = false;
+  bool reading_ = true;
 };
 
 }  // namespace
 
-struct MetricsHttp::Impl {
-  asio::io_context io{1};
-  tcp::acceptor acceptor{io};
-  const metrics::Registry* registry = nullptr;
-  std::function<void()> refresh;
-  std::function<Result<std::string>()> checkpoint;
-  transport::AcceptPacer accept_pacer{log::logger("server"), "metrics endpoint"};  // io's thread
-  std::thread thread;
-
-  void accept() {
-    acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
-      if (ec == asio::error::operation_aborted || !acceptor.is_open()) return;  // stopped
-      if (ec) {
-        // Any other error is the process's or the system's state, not the
-        // endpoint's: keep serving once it passes (an orchestrator's
-        // liveness probe scrapes this endpoint).
-        accept_pacer.failed(io, ec.message(), [this] { accept(); });
-        return;
+void MetricsHttp::Impl::accept() {
+  acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || !acceptor.is_open()) return;  // stopped
+    if (ec) {
+      // Any other error is the process's or the system's state, not the
+      // endpoint's: keep serving once it passes (an orchestrator's
+      // liveness probe scrapes this endpoint).
+      accept_pacer.failed(io, ec.message(), [this] { accept(); });
+      return;
+    }
+    accept_pacer.succeeded();
+    // Idle or slow clients must not take every file descriptor (the
+    // workers' connections need them), nor keep a scrape or a probe out:
+    // at the cap the oldest of them makes room, said once.
+    bool room = sessions.load(std::memory_order_relaxed) < kMaxSessions;
+    if (!room) {
+      room = evict_oldest_reader();
+      if (!refusal_logged) {
+        refusal_logged = true;
+        log::logger("server")->warn(
+            "metrics endpoint: {} connections are open; closing the oldest that has not sent its "
+            "request (or the new one, when all are being answered) for each new connection",
+            kMaxSessions);
       }
-      accept_pacer.succeeded();
-      std::make_shared<Session>(std::move(socket), *registry, refresh, checkpoint)->start();
-      accept();
-    });
+    } else {
+      refusal_logged = false;
+    }
+    if (room) {
+      auto session = std::make_shared<Session>(std::move(socket), *this);
+      while (!accepted.empty() && accepted.front().expired()) accepted.pop_front();
+      if (accepted.size() > 2 * kMaxSessions) {  // a long-lived one at the front
+        std::erase_if(accepted, [](const std::weak_ptr<Session>& w) { return w.expired(); });
+      }
+      accepted.push_back(session);
+      session->start();
+    } else {
+      beast::error_code ignored;
+      socket.close(ignored);
+    }
+    accept();
+  });
+}
+
+bool MetricsHttp::Impl::evict_oldest_reader() {
+  while (!accepted.empty() && accepted.front().expired()) accepted.pop_front();
+  for (auto it = accepted.begin(); it != accepted.end();) {
+    auto s = it->lock();
+    if (!s) {
+      it = accepted.erase(it);
+      continue;
+    }
+    if (s->reading()) {
+      s->evict();
+      accepted.erase(it);
+      return true;
+    }
+    ++it;
   }
-};
+  return false;
+}
 
 MetricsHttp::MetricsHttp(std::unique_ptr<Impl> impl, std::string address)
     : impl_(std::move(impl)), address_(std::move(address)) {}
@@ -124,11 +339,13 @@ Result<tcp::endpoint> MetricsHttp::resolve(const std::string& host, std::uint16_
 
 Result<std::unique_ptr<MetricsHttp>> MetricsHttp::start(
     const std::string& host, std::uint16_t port, const metrics::Registry& registry,
-    std::function<void()> refresh, std::function<Result<std::string>()> checkpoint) {
+    std::function<void()> refresh, std::function<Result<std::string>()> checkpoint,
+    std::string auth_token) {
   auto impl = std::make_unique<Impl>();
   impl->registry = &registry;
   impl->refresh = std::move(refresh);
   impl->checkpoint = std::move(checkpoint);
+  impl->auth_token = std::move(auth_token);
   beast::error_code ec;
   EMBER_ASSIGN_OR_RETURN(const tcp::endpoint endpoint, resolve(host, port));
   impl->acceptor.open(endpoint.protocol(), ec);
@@ -171,6 +388,15 @@ void MetricsHttp::stop() {
   });
   impl_->io.stop();
   if (impl_->thread.joinable()) impl_->thread.join();
+  // A checkpoint request still running ends when its checkpoint is written
+  // or the server stops taking them (its shutdown does so before this).
+  {
+    std::lock_guard lock(impl_->checkpoint_mutex);
+    impl_->checkpoint_stop = true;
+  }
+  impl_->checkpoint_cv.notify_all();
+  if (impl_->checkpoint_thread.joinable()) impl_->checkpoint_thread.join();
+  impl_->checkpoint_jobs.clear();
 }
 
 MetricsHttp::~MetricsHttp() { stop(); }

@@ -751,7 +751,8 @@ Status Server::Impl::init(const config::Config& cfg) {
                            [this]() -> Result<std::string> {
                              EMBER_ASSIGN_OR_RETURN(const std::uint64_t seq, checkpoint_request());
                              return fmt::format("sequence {}", seq);
-                           }));
+                           },
+                           config.communication.auth_token));
   }
   if (!sc.checkpoint_dir.empty()) ckpt_thread = std::thread([this] { checkpoint_loop(); });
   started = true;

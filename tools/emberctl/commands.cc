@@ -36,6 +36,20 @@ Result<std::vector<Target>> metrics_targets(const config::Config& config, std::s
     if (!wildcard && servers.size() == 1) hp.host = ml->host;
     out.push_back(Target{fmt::format("server {}", i), hp.to_string()});
   }
+  // Servers sharing a host with one metrics port: only one of them can
+  // listen there, and every target would read that one server.
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    for (std::size_t j = i + 1; j < out.size(); ++j) {
+      if (out[i].metrics_address == out[j].metrics_address) {
+        return make_error(ErrorCode::kConfig,
+                          "{}: servers {} and {} would both have their metrics endpoint at {} "
+                          "(server.metrics_listen's port on the host they share), but only one "
+                          "process can listen there; give each server on a host its own "
+                          "metrics_listen port and pass each endpoint with --metrics HOST:PORT",
+                          config_name, i, j, out[i].metrics_address);
+      }
+    }
+  }
   return out;
 }
 

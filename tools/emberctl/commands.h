@@ -28,7 +28,8 @@ struct Target {
 // one-server job whose metrics_listen names a specific host (not 0.0.0.0 or
 // ::) uses metrics_listen as written. Errors (kConfig): metrics_listen is
 // off (""), naming `config_name` and what to set; its port is 0 (chosen at
-// start-up, unknowable here: pass --metrics).
+// start-up, unknowable here: pass --metrics); two servers would get the same
+// endpoint (servers sharing a host: pass --metrics).
 [[nodiscard]] Result<std::vector<Target>> metrics_targets(const config::Config& config,
                                                           std::string_view config_name);
 

@@ -100,13 +100,16 @@ Error describe_failure(std::string_view method, const std::string& address,
 
 Result<HttpResponse> do_request(const config::HostPort& hp, http::verb verb,
                                 std::string_view method, std::string_view target,
-                                std::chrono::milliseconds timeout) {
+                                std::chrono::milliseconds timeout, std::string_view bearer_token) {
   asio::io_context io{1};
   tcp::resolver resolver(io);
   beast::tcp_stream stream(io);
   http::request<http::empty_body> request{verb, std::string(target), 11};
   request.set(http::field::host, hp.host);
   request.set(http::field::user_agent, "emberctl");
+  if (!bearer_token.empty()) {
+    request.set(http::field::authorization, fmt::format("Bearer {}", bearer_token));
+  }
   // Bounded: the buffer holds the header and body chunks in flight, the
   // parser refuses a larger header or body before storing it (a huge
   // Content-Length is refused as soon as the header parses).
@@ -187,7 +190,8 @@ Result<HttpResponse> do_request(const config::HostPort& hp, http::verb verb,
 }  // namespace
 
 Result<HttpResponse> http_request(std::string_view host_port, std::string_view method,
-                                  std::string_view target, std::chrono::milliseconds timeout) {
+                                  std::string_view target, std::chrono::milliseconds timeout,
+                                  std::string_view bearer_token) {
   EMBER_ASSIGN_OR_RETURN(const config::HostPort hp, config::parse_host_port(host_port));
   const http::verb verb = http::string_to_verb(beast::string_view(method.data(), method.size()));
   if (verb == http::verb::unknown) {
@@ -197,7 +201,7 @@ Result<HttpResponse> http_request(std::string_view host_port, std::string_view m
   // throw is allocation (bounded above) and resolver internals. None of it
   // may escape as an exception.
   try {
-    return do_request(hp, verb, method, target, timeout);
+    return do_request(hp, verb, method, target, timeout, bearer_token);
   } catch (const std::bad_alloc&) {
     return make_error(ErrorCode::kTooLarge, "{} http://{}{}: out of memory while reading the answer",
                       method, hp.to_string(), target);

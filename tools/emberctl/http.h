@@ -28,7 +28,8 @@ struct HttpResponse {
 };
 
 // Sends `method` ("GET", "POST") for `target` ("/metrics") to `host_port`
-// ("127.0.0.1:9464", "[::1]:9464", "name:9464") with an empty body.
+// ("127.0.0.1:9464", "[::1]:9464", "name:9464") with an empty body, and
+// `Authorization: Bearer <bearer_token>` when the token is not empty.
 // Allocates at most about kMaxResponseBytes for the answer.
 // Errors: kInvalidArgument (host_port malformed or method unknown), kIo
 // (resolve, connect, write or read failed, or the peer closed mid-answer,
@@ -39,6 +40,7 @@ struct HttpResponse {
 // status is not an Error: it is returned in `status`.
 [[nodiscard]] Result<HttpResponse> http_request(std::string_view host_port, std::string_view method,
                                                 std::string_view target,
-                                                std::chrono::milliseconds timeout);
+                                                std::chrono::milliseconds timeout,
+                                                std::string_view bearer_token = {});
 
 }  // namespace ember::emberctl

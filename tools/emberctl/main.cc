@@ -16,11 +16,14 @@
 // metrics_listen's port (metrics_listen's own host when it names one and
 // there is one server). Exit codes: 0 success; 1 a server is down or a
 // request failed; 2 bad usage or input; 3 the server does not support the
-// request. This is the program's one top-level catch.
+// request. checkpoint sends the job's token (Authorization: Bearer) from the
+// config's [communication] auth_token, else from EMBER_AUTH_TOKEN. This is
+// the program's one top-level catch.
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -80,10 +83,14 @@ Result<Exposition> scrape(const std::string& address, std::chrono::milliseconds 
 struct Targets {
   std::vector<Target> list;
   std::uint32_t num_workers = 0;  // from the config; 0 when not known
+  // [communication] auth_token from the config, else EMBER_AUTH_TOKEN; sent
+  // with POST /checkpoint.
+  std::string auth_token;
 };
 
 Result<Targets> resolve(const std::string& config_path, const std::vector<std::string>& metrics) {
   Targets t;
+  if (const char* env = std::getenv("EMBER_AUTH_TOKEN")) t.auth_token = env;
   if (!metrics.empty()) {
     for (std::size_t i = 0; i < metrics.size(); ++i) {
       EMBER_TRY(config::parse_host_port(metrics[i]));
@@ -98,6 +105,7 @@ Result<Targets> resolve(const std::string& config_path, const std::vector<std::s
   }
   EMBER_ASSIGN_OR_RETURN(const config::Config c, config::load_config_file(config_path));
   t.num_workers = c.cluster.num_workers;
+  if (!c.communication.auth_token.empty()) t.auth_token = c.communication.auth_token;
   if (metrics.empty()) {
     EMBER_ASSIGN_OR_RETURN(t.list, metrics_targets(c, config_path));
   }
@@ -188,7 +196,7 @@ int cmd_checkpoint(const std::string& config_path, const std::vector<std::string
   if (!targets) return usage_error(targets.error().message());
   int rc = kExitOk;
   for (const Target& t : targets->list) {
-    auto r = http_request(t.metrics_address, "POST", "/checkpoint", timeout);
+    auto r = http_request(t.metrics_address, "POST", "/checkpoint", timeout, targets->auth_token);
     if (!r) {
       std::fprintf(stderr, "%s: %s\n", t.name.c_str(), r.error().to_string().c_str());
       rc = kExitFailed;

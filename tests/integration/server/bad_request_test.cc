@@ -1200,6 +1200,78 @@ TEST(ServerMetrics, EndpointServesPrometheusText) {
   EXPECT_NE(http_get(server.metrics_address(), "/nope").find("404"), std::string::npos);
 }
 
+// Prometheus jobs with `params:` add a query string, probes send HEAD, and
+// a wrong method is 405 (it used to be 404 for all of these).
+TEST(ServerMetrics, RoutesByPathAnswersHeadAndNamesTheMethods) {
+  TempDir dir;
+  ServerProcess server(dir, ClusterSpec{}, 0);
+  ASSERT_TRUE(server.ok());
+  const std::string& m = server.metrics_address();
+  EXPECT_NE(http_get(m, "/metrics?collect=all").find("200 OK"), std::string::npos);
+  EXPECT_NE(http_get(m, "http://" + m + "/metrics").find("200 OK"), std::string::npos);
+  const std::string head = http_request(m, "HEAD", "/metrics");
+  EXPECT_NE(head.find("200 OK"), std::string::npos) << head;
+  EXPECT_NE(head.find("Content-Length: "), std::string::npos) << head;
+  EXPECT_EQ(head.find("ember_server_"), std::string::npos) << "HEAD sent a body:\n" << head;
+  const std::string post = http_request(m, "POST", "/metrics");
+  EXPECT_NE(post.find("405"), std::string::npos) << post;
+  EXPECT_NE(post.find("Allow: GET, HEAD"), std::string::npos) << post;
+  const std::string get_checkpoint = http_get(m, "/checkpoint");
+  EXPECT_NE(get_checkpoint.find("405"), std::string::npos) << get_checkpoint;
+  EXPECT_NE(get_checkpoint.find("Allow: POST"), std::string::npos) << get_checkpoint;
+  EXPECT_NE(http_get(m, "/nope").find("404"), std::string::npos);
+}
+
+// POST /checkpoint makes the server write and fsync a snapshot: with a token
+// configured it needs that token (the deploy files listen on 0.0.0.0).
+TEST(ServerMetrics, CheckpointOverHttpNeedsTheJobsToken) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.checkpoint_dir = (dir / "ckpt").string();
+  ServerProcess server(dir, spec, 0, {"--set", "communication.auth_token=s3cret"});
+  ASSERT_TRUE(server.ok());
+  const std::string& m = server.metrics_address();
+  const std::string none = http_request(m, "POST", "/checkpoint");
+  EXPECT_NE(none.find("401"), std::string::npos) << none;
+  EXPECT_NE(none.find("auth_token"), std::string::npos) << none;
+  const std::string wrong = http_request(m, "POST", "/checkpoint", "Authorization: Bearer s3cre\r\n");
+  EXPECT_NE(wrong.find("401"), std::string::npos) << wrong;
+  const std::string right = http_request(m, "POST", "/checkpoint", "Authorization: Bearer s3cret\r\n");
+  EXPECT_NE(right.find("200 OK"), std::string::npos) << right;
+  EXPECT_NE(right.find("sequence "), std::string::npos) << right;
+  // Scrapes need no token.
+  EXPECT_NE(http_get(m, "/metrics").find("200 OK"), std::string::npos);
+}
+
+// Idle clients cannot hold every descriptor, nor keep a scrape out: at 64
+// open connections the oldest idle one makes room for a new one.
+TEST(ServerMetrics, IdleClientsNeitherPileUpNorKeepAScrapeOut) {
+  TempDir dir;
+  ServerProcess server(dir, ClusterSpec{}, 0);
+  ASSERT_TRUE(server.ok());
+  auto open_fds = [&] {
+    std::size_t n = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(
+             fmt::format("/proc/{}/fd", server.process().pid()))) {
+      ++n;
+    }
+    return n;
+  };
+  const std::size_t before = open_fds();
+  std::vector<int> idle = open_connections(server.metrics_address(), 200);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string scrape = http_get(server.metrics_address(), "/metrics");
+  EXPECT_NE(scrape.find("200 OK"), std::string::npos) << scrape.substr(0, 200);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  // 64 sessions, and a few closed ones the kernel has not reaped yet.
+  EXPECT_LE(open_fds(), before + 64 + 8);
+  for (int fd : idle) {
+    if (fd >= 0) ::close(fd);
+  }
+  EXPECT_NE(server.log().find("connections are open; closing the oldest"), std::string::npos)
+      << server.log();
+}
+
 // A refused join still brought its bytes and messages: they stay in the
 // totals once its connection is gone (they were dropped with it, so the
 // counters lagged until other traffic caught up).

@@ -210,7 +210,7 @@ std::string server_binary() { return EMBER_SERVER_BIN; }
 std::string test_worker_binary() { return EMBER_TEST_WORKER_BIN; }
 
 std::string http_request(const std::string& address, const std::string& method,
-                         const std::string& path) {
+                         const std::string& path, const std::string& headers) {
   const auto colon = address.rfind(':');
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in sa{};
@@ -222,8 +222,8 @@ std::string http_request(const std::string& address, const std::string& method,
     return {};
   }
   const std::string req =
-      fmt::format("{} {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-                  method, path, address);
+      fmt::format("{} {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\nConnection: close\r\n{}\r\n",
+                  method, path, address, headers);
   (void)::write(fd, req.data(), req.size());
   std::string out;
   char buf[4096];

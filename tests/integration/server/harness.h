@@ -131,8 +131,9 @@ std::string server_binary();
 std::string test_worker_binary();
 
 // GET (or `method`) http://address/path; the whole response ("" on failure).
+// `headers`: more header lines, each ending in "\r\n".
 std::string http_request(const std::string& address, const std::string& method,
-                         const std::string& path);
+                         const std::string& path, const std::string& headers = "");
 inline std::string http_get(const std::string& address, const std::string& path) {
   return http_request(address, "GET", path);
 }

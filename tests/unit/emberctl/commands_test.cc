@@ -1,6 +1,7 @@
 // emberctl's network-free decisions: endpoints from a config, checkpoint
 // answers, status/stats text from metrics, host hugepages, average message
 // size, config summary and recording summary.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "common/config/config.h"
@@ -48,6 +49,27 @@ TEST(MetricsTargets, RefusesMetricsOffOrPortZero) {
   r = metrics_targets(parse("[server]\nmetrics_listen = \"127.0.0.1:0\"\n"), "job.toml");
   ASSERT_FALSE(r);
   EXPECT_NE(r.error().message().find("port 0"), std::string::npos);
+}
+
+// Two servers on one host with one metrics port: both targets would read
+// whichever process listens there (a break-it run saw a server that was
+// not running reported "up"). Refused, naming both.
+TEST(MetricsTargets, RefusesServersThatWouldShareOneEndpoint) {
+  for (const char* listen : {"127.0.0.1:19467", "0.0.0.0:19467"}) {
+    SCOPED_TRACE(listen);
+    auto r = metrics_targets(parse(fmt::format("[cluster]\nservers = [\"127.0.0.1:17100\", "
+                                               "\"127.0.0.1:17101\"]\n[server]\nmetrics_listen = "
+                                               "\"{}\"\n",
+                                               listen)),
+                             "two.toml");
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.error().code(), ErrorCode::kConfig);
+    EXPECT_NE(r.error().message().find("servers 0 and 1 would both have their metrics endpoint at "
+                                       "127.0.0.1:19467"),
+              std::string::npos)
+        << r.error().message();
+    EXPECT_NE(r.error().message().find("--metrics"), std::string::npos);
+  }
 }
 
 TEST(CheckpointAnswer, StatusCodesMapToOutcomes) {
