@@ -339,7 +339,8 @@ HostPort effective_listen(const Config& config);
 // Reads and parses a TOML file. Errors (kConfig): the file is missing or
 // unreadable (naming the path and the errno text), a directory, larger than
 // kMaxConfigFileBytes (also what a device such as /dev/urandom or an endless
-// FIFO gives: reading stops there), a TOML syntax error (with file:line and
+// FIFO gives: reading stops there; a FIFO without a writer is waited for, as
+// by any reader), a TOML syntax error (with file:line and
 // toml11's explanation), and everything parse_config reports.
 // Blocks on file I/O.
 inline constexpr std::size_t kMaxConfigFileBytes = std::size_t{16} << 20;

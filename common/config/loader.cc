@@ -668,9 +668,19 @@ Status set_value(Config& config, std::string_view dotted_key, std::string_view v
       return config_error(fmt::format("override: key '{}' is unknown; did you mean '{}.{}'?",
                                       dotted_key, owners.front(), leaf));
     }
-    return config_error(fmt::format("override: key '{}' is unknown; keys are written table.key, "
-                                    "e.g. 'communication.batch_threshold' (see config/ember.toml)",
-                                    dotted_key));
+    if (dot != std::string_view::npos) {
+      // A known table: its keys (as an unknown key in a file is answered).
+      const std::string_view table = dotted_key.substr(0, dot);
+      const auto& tables = detail::table_names();
+      if (std::find(tables.begin(), tables.end(), table) != tables.end()) {
+        return config_error(fmt::format("override: key '{}' is unknown; [{}] has: {}", dotted_key,
+                                        table, fmt::join(keys_of(table), ", ")));
+      }
+    }
+    return config_error(fmt::format("override: key '{}' is unknown; keys are written table.key "
+                                    "with a table of {}, e.g. 'communication.batch_threshold' "
+                                    "(see config/ember.toml)",
+                                    dotted_key, fmt::join(detail::table_names(), ", ")));
   }
   try {
     EMBER_ASSIGN_OR_RETURN(const toml::value v, override_value(*field, value));

@@ -384,7 +384,10 @@ int run(int argc, char** argv) {
   // Not require_subcommand(1): CLI11's message for it ("A subcommand is
   // required") names none; the check after parsing lists them.
   auto* config_cmd = app.add_subcommand("config", "configuration files");
-  auto* check = config_cmd->add_subcommand("check", "validate a TOML config (exit 0 when valid)");
+  auto* check = config_cmd->add_subcommand(
+      "check", "validate a TOML config's keys and values (exit 0 when valid); ember-server "
+               "--check-config also checks what needs the server's host: the listen address and "
+               "token rule, shard CPUs, checkpoint_dir");
   std::string check_file;
   std::vector<std::string> overrides;
   check->add_option("file", check_file, "the TOML file")->required();

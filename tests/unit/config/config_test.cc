@@ -905,7 +905,11 @@ TEST(ConfigOverride, SetValueErrors) {
                         "'communication.batch_threshold'?"));
   EXPECT_THAT(set_value(c, "rank", "1").error().message(), HasSubstr("did you mean 'worker.rank'?"));
   EXPECT_THAT(set_value(c, "nothing.like.this", "1").error().message(),
-              HasSubstr("keys are written table.key"));
+              HasSubstr("keys are written table.key with a table of communication, cluster, "));
+  // Nothing close in a known table: that table's keys.
+  EXPECT_THAT(set_value(c, "communication.bogus", "1").error().message(),
+              HasSubstr("override: key 'communication.bogus' is unknown; [communication] has: "
+                        "transport, batch_threshold,"));
   EXPECT_THAT(set_value(c, "communication.transport", "udp").error().message(),
               HasSubstr("override: key 'communication.transport': \"udp\" is not a valid "
                         "transport"));
