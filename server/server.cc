@@ -1556,6 +1556,17 @@ Status Server::Impl::shutdown() {
   }
   ckpt_cv.notify_all();
   if (ckpt_thread.joinable()) ckpt_thread.join();
+  {
+    // Connections still open after the drain leave the books before their
+    // transport goes: a scrape during the rest of the shutdown
+    // (refresh_metrics) must not ask a connection of a destroyed transport
+    // for its stats. Their traffic stays counted.
+    std::unique_lock lock(conns_mutex);
+    std::lock_guard stats_lock(closed_stats_mutex);
+    for (const auto& [id, c] : by_id) add_traffic(closed_stats, c->conn->stats());
+    by_id.clear();
+    by_ptr.clear();
+  }
   transport.reset();  // joins the I/O threads: no more items after this
   for (auto& s : shards) s->stop();
   for (auto& s : shards) s->join();
