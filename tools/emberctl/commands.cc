@@ -57,6 +57,12 @@ CheckpointAnswer interpret_checkpoint_answer(int http_status, std::string_view b
   std::string text(body);
   while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
   if (http_status == 200) return {CheckpointAnswer::kWritten, fmt::format("checkpoint written: {}", text)};
+  if (http_status == 409) {  // the server's checkpoint hook: checkpoint_dir is not set
+    return {CheckpointAnswer::kUnsupported,
+            fmt::format("this ember-server writes no checkpoints (HTTP 409): {}; set "
+                        "server.checkpoint_dir in its config and restart it",
+                        text)};
+  }
   if (http_status == 404 || http_status == 405 || http_status == 501) {
     return {CheckpointAnswer::kUnsupported,
             fmt::format("this ember-server does not take checkpoint requests over HTTP (HTTP {} on "

@@ -179,15 +179,17 @@ std::optional<std::string> format_host_hugepages(std::string_view meminfo) {
 std::string format_stats(const Exposition& now, const Exposition* previous, double interval_s) {
   std::string out;
   const bool rates = previous != nullptr && interval_s > 0;
+  // Rates of counters only (Prometheus: a counter's name ends in _total);
+  // a gauge's difference is not a rate.
   auto rate = [&](const std::string& name) -> std::string {
-    if (!rates) return "";
+    if (!rates || !name.ends_with("_total")) return "";
     const auto a = previous->value(name);
     const auto b = now.value(name);
     if (!a || !b) return "";
     return fmt::format("  ({}/s)", human_bytes((*b - *a) / interval_s));
   };
   auto count_rate = [&](const std::string& name) -> std::string {
-    if (!rates) return "";
+    if (!rates || !name.ends_with("_total")) return "";
     const auto a = previous->value(name);
     const auto b = now.value(name);
     if (!a || !b) return "";
@@ -231,8 +233,28 @@ std::string format_stats(const Exposition& now, const Exposition* previous, doub
     out += fmt::format("  {:<22}{:.0f}\n", fmt::format("step {}", labels_text(s->labels)), s->value);
   }
   count_line("checkpoints written", "ember_server_checkpoints_written_total");
-  out += "request latency (receipt to shard), microseconds\n";
-  const auto hs = histograms(now, "ember_server_request_latency_us");
+  out += rates ? "request latency (receipt to shard) over the interval, microseconds\n"
+               : "request latency (receipt to shard) since start, microseconds\n";
+  auto hs = histograms(now, "ember_server_request_latency_us");
+  if (rates) {
+    // Over the interval: the previous scrape's counts taken off each
+    // series with the same labels and bounds (a restarted server's lower
+    // counts leave the series as it is).
+    const auto before = histograms(*previous, "ember_server_request_latency_us");
+    for (Histogram& h : hs) {
+      const auto it = std::find_if(before.begin(), before.end(),
+                                   [&](const Histogram& b) { return b.labels == h.labels; });
+      if (it == before.end() || it->buckets.size() != h.buckets.size() || it->count > h.count) continue;
+      bool same_bounds = true;
+      for (std::size_t i = 0; i < h.buckets.size(); ++i) {
+        same_bounds = same_bounds && h.buckets[i].first == it->buckets[i].first;
+      }
+      if (!same_bounds) continue;
+      for (std::size_t i = 0; i < h.buckets.size(); ++i) h.buckets[i].second -= it->buckets[i].second;
+      h.count -= it->count;
+      h.sum -= it->sum;
+    }
+  }
   if (hs.empty()) out += "  n/a\n";
   for (const Histogram& h : hs) {
     auto q = [&](double p) {

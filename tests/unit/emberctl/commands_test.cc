@@ -81,6 +81,11 @@ TEST(CheckpointAnswer, StatusCodesMapToOutcomes) {
     EXPECT_EQ(a.outcome, CheckpointAnswer::kUnsupported);
     EXPECT_NE(a.text.find("does not take checkpoint requests"), std::string::npos);
   }
+  // Checkpoints off on that server: exit 3 (not supported), saying what to set.
+  a = interpret_checkpoint_answer(409, "config: checkpoints are off: set server.checkpoint_dir\n");
+  EXPECT_EQ(a.outcome, CheckpointAnswer::kUnsupported);
+  EXPECT_NE(a.text.find("writes no checkpoints (HTTP 409)"), std::string::npos) << a.text;
+  EXPECT_NE(a.text.find("server.checkpoint_dir"), std::string::npos) << a.text;
   a = interpret_checkpoint_answer(500, "kConfig: checkpoints are off");
   EXPECT_EQ(a.outcome, CheckpointAnswer::kFailed);
   EXPECT_NE(a.text.find("HTTP 500: kConfig: checkpoints are off"), std::string::npos);
@@ -158,6 +163,29 @@ TEST(Stats, FormatsSectionsAndRates) {
   text = format_stats(now, &*before, 2.0);
   EXPECT_NE(text.find("bytes received        3.9 MiB  (2.0 MiB/s)"), std::string::npos) << text;
   EXPECT_NE(text.find("messages received     1000  (200/s)"), std::string::npos) << text;
+}
+
+// A gauge's change is no rate, and the latencies are those of the interval.
+TEST(Stats, RatesOfCountersOnlyAndLatencyOverTheInterval) {
+  metrics::Registry reg;
+  reg.gauge("ember_pool_region_bytes", "p").set(16.0 * 1024 * 1024);
+  reg.gauge("ember_server_workers_connected", "w").set(2);
+  auto& h = reg.histogram("ember_server_request_latency_us", "l", kBounds, {{"type", "push"}});
+  for (int i = 0; i < 100; ++i) h.observe(5);  // before the interval: fast
+  auto before = parse_exposition(reg.render());
+  ASSERT_TRUE(before);
+  for (int i = 0; i < 10; ++i) h.observe(50);  // during it: slower
+  auto now = parse_exposition(reg.render());
+  ASSERT_TRUE(now);
+  const std::string text = format_stats(*now, &*before, 1.0);
+  EXPECT_NE(text.find("pool region           16.0 MiB\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("workers connected     2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("over the interval"), std::string::npos) << text;
+  EXPECT_NE(text.find("{type=\"push\"}         count 10  mean 50.0"), std::string::npos) << text;
+  // Without a previous scrape: since start.
+  const std::string once = format_stats(*now, nullptr, 0);
+  EXPECT_NE(once.find("since start"), std::string::npos) << once;
+  EXPECT_NE(once.find("count 110"), std::string::npos) << once;
 }
 
 TEST(HostHugepages, ReadsMeminfo) {
