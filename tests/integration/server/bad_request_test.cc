@@ -374,20 +374,39 @@ TEST_F(BadRequests, WorkerWithAnotherClusterTableFailsToJoin) {
 // A process refused at its join never was a worker of the job: its rank is
 // neither lost when it goes (bsp, "fail": the others' round would fail) nor
 // back while it is there (a lost rank would count as present again).
-TEST(BadRequestsBsp, AWorkerRefusedAtJoinIsNotItsRanksLoss) {
+// A bsp job of two ranks under `loss_policy`: the server, and rank 0 with
+// key 1 (2 floats, 1 and 1) registered.
+struct RankZeroOfTwo {
   TempDir dir;
   ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.loss_policy = "fail";
-  ServerProcess server(dir, spec, 0);
-  ASSERT_TRUE(server.ok());
-  auto w0 = Worker::create(worker_config(spec, {server.address()}, 0));
-  ASSERT_TRUE(w0) << w0.error().to_string();
-  const std::uint64_t shape[] = {2};
-  ASSERT_TRUE((*w0)->init(1, shape, std::vector<float>{1, 1}).wait());
-  ASSERT_TRUE((*w0)->push(1, std::vector<float>{2, 2}).wait());
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<Worker> w0;
+  static constexpr std::uint64_t kShape[] = {2};
+
+  explicit RankZeroOfTwo(const std::string& loss_policy) {
+    spec.num_workers = 2;
+    spec.loss_policy = loss_policy;
+    server = std::make_unique<ServerProcess>(dir, spec, 0);
+    if (!server->ok()) return;
+    auto w = Worker::create(worker_config(spec, {server->address()}, 0));
+    EXPECT_TRUE(w) << w.error().to_string();
+    if (!w) return;
+    w0 = std::move(*w);
+    EXPECT_TRUE(w0->init(1, kShape, std::vector<float>{1, 1}).wait());
+  }
+  bool ok() const { return server->ok() && w0 != nullptr; }
+};
+
+TEST(BadRequestsBsp, AWorkerRefusedAtJoinIsNotItsRanksLoss) {
+  RankZeroOfTwo job("fail");
+  ASSERT_TRUE(job.ok());
+  const ClusterSpec& spec = job.spec;
+  ServerProcess& server = *job.server;
+  const auto& w0 = job.w0;
+  const auto& shape = RankZeroOfTwo::kShape;
+  ASSERT_TRUE(w0->push(1, std::vector<float>{2, 2}).wait());
   std::vector<float> p(2);
-  Handle pull = (*w0)->pull(1, p);  // waits for rank 1's push of step 0
+  Handle pull = w0->pull(1, p);  // waits for rank 1's push of step 0
   ClusterSpec other = spec;
   other.num_workers = 3;
   auto stray = Worker::create(worker_config(other, {server.address()}, 1));
@@ -408,16 +427,11 @@ TEST(BadRequestsBsp, AWorkerRefusedAtJoinIsNotItsRanksLoss) {
 }
 
 TEST(BadRequestsBsp, AWorkerRefusedAtJoinDoesNotBringALostRankBack) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.loss_policy = "shrink";
-  ServerProcess server(dir, spec, 0);
-  ASSERT_TRUE(server.ok());
-  auto w0 = Worker::create(worker_config(spec, {server.address()}, 0));
-  ASSERT_TRUE(w0) << w0.error().to_string();
-  const std::uint64_t shape[] = {2};
-  ASSERT_TRUE((*w0)->init(1, shape, std::vector<float>{1, 1}).wait());
+  RankZeroOfTwo job("shrink");
+  ASSERT_TRUE(job.ok());
+  const ClusterSpec& spec = job.spec;
+  ServerProcess& server = *job.server;
+  const auto& w0 = job.w0;
   {
     RawClient gone(server.address(), 1);  // rank 1 connects and leaves: excluded
   }
@@ -429,9 +443,9 @@ TEST(BadRequestsBsp, AWorkerRefusedAtJoinDoesNotBringALostRankBack) {
   // Rank 1 stays excluded: rounds close with rank 0 alone.
   for (std::uint64_t step = 0; step < 3; ++step) {
     SCOPED_TRACE(step);
-    ASSERT_TRUE((*w0)->push(1, std::vector<float>{1, 1}).wait());
+    ASSERT_TRUE(w0->push(1, std::vector<float>{1, 1}).wait());
     std::vector<float> p(2);
-    auto r = (*w0)->pull(1, p).wait_for(10s);
+    auto r = w0->pull(1, p).wait_for(10s);
     ASSERT_TRUE(r) << r.error().to_string() << "\n" << server.log();
   }
   const std::string log = server.log();
