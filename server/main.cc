@@ -5,8 +5,9 @@
 //   ember-server --config FILE --print-config     print the effective config and exit
 //
 // Runs until SIGTERM or SIGINT, then drains, writes a final checkpoint (when
-// server.checkpoint_dir is set) and exits 0; a second SIGTERM or SIGINT
-// meanwhile exits at once (128 + the signal number) without the checkpoint.
+// server.checkpoint_dir is set) and exits 0; another SIGTERM or SIGINT more
+// than 2 s after the first exits at once (128 + the signal number) without
+// the checkpoint.
 // A stop signal during start-up stops it before the ready line. Under systemd (NOTIFY_SOCKET
 // set) it reports READY=1 once listening and pings WATCHDOG=1 at half the
 // watchdog interval. Once listening it prints one line to stdout:
@@ -215,18 +216,26 @@ int run(int argc, char** argv) {
     }
     if (watchdog.count() > 0) notify("WATCHDOG=1");
   }
-  log->info("received {}: stopping (a second SIGTERM or SIGINT stops at once, without the final "
-            "checkpoint)",
+  log->info("received {}: stopping (another SIGTERM or SIGINT after 2 s stops at once, without "
+            "the final checkpoint)",
             signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
   notify("STOPPING=1");
   // A second stop signal during the drain and the final checkpoint (say a
   // hung one) ends the process at once, as operators expect of Ctrl-C twice.
-  std::thread([stop_signals, log] {
-    int again = 0;
-    if (sigwait(&stop_signals, &again) != 0) return;
-    log->warn("received {} again while stopping: exiting now, without the final checkpoint",
-              again == SIGTERM ? "SIGTERM" : "SIGINT");
-    std::_Exit(128 + again);
+  // Not one within kRepeatGrace of the first: Ctrl-C in a terminal reaches
+  // the whole process group, and a script or supervisor that then sends its
+  // own SIGTERM asks for the same orderly stop.
+  static constexpr std::chrono::seconds kRepeatGrace{2};
+  const auto first = std::chrono::steady_clock::now();
+  std::thread([stop_signals, log, first] {
+    for (;;) {
+      int again = 0;
+      if (sigwait(&stop_signals, &again) != 0) return;
+      if (std::chrono::steady_clock::now() - first < kRepeatGrace) continue;
+      log->warn("received {} again while stopping: exiting now, without the final checkpoint",
+                again == SIGTERM ? "SIGTERM" : "SIGINT");
+      std::_Exit(128 + again);
+    }
   }).detach();
   if (auto s = (*server)->shutdown(); !s) {
     log->error("final checkpoint failed: {}", s.error().to_string());

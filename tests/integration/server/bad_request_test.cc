@@ -1089,6 +1089,25 @@ TEST(ServerCli, AHugeWatchdogIntervalNeitherSpinsNorIgnoresSigterm) {
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
 }
 
+// Ctrl-C in a terminal reaches the whole process group, and the script
+// that started the server then sends SIGTERM too (scripts/demo.sh does):
+// one orderly stop, final checkpoint and exit 0, not the forced exit a later
+// repeat gets.
+TEST(ServerCli, SigintThenSigtermAtOnceIsOneOrderlyStop) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.checkpoint_dir = (dir / "ckpt").string();
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  server.process().signal(SIGINT);
+  server.process().signal(SIGTERM);
+  auto status = server.process().wait_exit(30s);
+  ASSERT_TRUE(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << server.log();
+  EXPECT_EQ(server.log().find("exiting now, without the final checkpoint"), std::string::npos)
+      << server.log();
+}
+
 // With the log off, a failed start still says why on stderr.
 TEST(ServerCli, AFailedStartIsNeverSilent) {
   TempDir dir;
