@@ -25,6 +25,7 @@
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -125,7 +126,12 @@ int run(int argc, char** argv) {
       return 1;
     }
     for (const std::string& o : overrides) {
-      if (o.starts_with("server.listen=")) {
+      // As set_values reads it: spaces around the key are allowed.
+      const std::string_view assignment(o);
+      std::string_view key = assignment.substr(0, assignment.find('='));
+      while (!key.empty() && key.front() == ' ') key.remove_prefix(1);
+      while (!key.empty() && key.back() == ' ') key.remove_suffix(1);
+      if (key == "server.listen") {
         std::fprintf(stderr, "ember-server: --listen %s and --set %s both give the listen "
                              "address; give one of them\n",
                      listen.c_str(), o.c_str());

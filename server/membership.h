@@ -3,7 +3,8 @@
 //
 // A rank is present until the server reports it lost (its last connection
 // closed: heartbeat timeout, reset or orderly close) and present again when
-// it reconnects. What a lost rank means depends on the policy:
+// it reconnects and its join succeeds (server.h). What a lost rank means
+// depends on the policy:
 //   wait    rounds keep waiting for it; once worker_timeout has passed since
 //           the loss without its return, it counts as failed
 //   shrink  it is excluded at once: rounds and barriers complete without it

@@ -78,9 +78,9 @@ struct MetricsHttp::Impl {
   transport::AcceptPacer accept_pacer{log::logger("server"), "metrics endpoint"};  // io's thread
   std::thread thread;
   // io's thread: the sessions in the order they were accepted (expired ones
-  // pruned as met), and whether making room was logged.
+  // pruned as met), and when making room was last logged.
   std::deque<std::weak_ptr<Session>> accepted;
-  bool refusal_logged = false;
+  std::chrono::steady_clock::time_point room_logged{};
   // Checkpoint requests run one after another on their own thread, off the
   // endpoint's (a checkpoint of a large model takes seconds; scrapes and
   // probes must not wait for it). Started at the first request; stop()
@@ -146,7 +146,13 @@ class Session : public std::enable_shared_from_this<Session> {
   void start() {
     beast::error_code peer_error;
     const auto peer = stream_.socket().remote_endpoint(peer_error);
-    peer_loopback_ = !peer_error && peer.address().is_loopback();
+    if (!peer_error) {
+      // An IPv6 wildcard listener sees IPv4 peers as ::ffff:a.b.c.d.
+      const auto a = peer.address();
+      peer_loopback_ = a.is_loopback() ||
+                       (a.is_v6() && a.to_v6().is_v4_mapped() &&
+                        asio::ip::make_address_v4(asio::ip::v4_mapped, a.to_v6()).is_loopback());
+    }
     stream_.expires_after(kSessionTimeout);
     parser_.header_limit(kMaxRequestHeaderBytes);
     parser_.body_limit(kMaxRequestBodyBytes);
@@ -156,7 +162,8 @@ class Session : public std::enable_shared_from_this<Session> {
       } else if (ec == http::error::header_limit || ec == http::error::body_limit) {
         self->reply(http::status::payload_too_large, "request too large for the metrics endpoint\n");
       } else if (ec != beast::error::timeout && ec != http::error::end_of_stream &&
-                 ec != asio::error::eof && ec != asio::error::connection_reset) {
+                 ec != asio::error::eof && ec != asio::error::connection_reset &&
+                 ec != asio::error::operation_aborted) {  // evicted, or stopping
         self->reply(http::status::bad_request, "malformed HTTP request: " + ec.message() + "\n");
       }
     });
@@ -177,7 +184,7 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       if (impl_.refresh) impl_.refresh();
       response_.set(http::field::content_type, std::string(metrics::kExpositionContentType));
-      reply(http::status::ok, impl_.registry->render(), method == http::verb::head);
+      reply(http::status::ok, impl_.registry->render());
       return;
     }
     if (path == "/checkpoint" && impl_.checkpoint) {
@@ -230,9 +237,10 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  // Writes the response and closes. `head_only`: the headers of `body`
-  // (Content-Length included) without it.
-  void reply(http::status status, std::string body, bool head_only = false) {
+  // Writes the response and closes. To a HEAD request: the headers of
+  // `body` (Content-Length included) without it, whatever the status.
+  void reply(http::status status, std::string body) {
+    const bool head_only = !reading_ && parser_.get().method() == http::verb::head;
     response_.version(parser_.get().version() == 10 ? 10 : 11);
     response_.keep_alive(false);
     response_.result(status);
@@ -280,15 +288,15 @@ void MetricsHttp::Impl::accept() {
     bool room = sessions.load(std::memory_order_relaxed) < kMaxSessions;
     if (!room) {
       room = evict_oldest_reader();
-      if (!refusal_logged) {
-        refusal_logged = true;
+      const auto now = std::chrono::steady_clock::now();
+      if (room_logged == std::chrono::steady_clock::time_point{} ||
+          now - room_logged >= std::chrono::minutes(1)) {  // at most once a minute
+        room_logged = now;
         log::logger("server")->warn(
             "metrics endpoint: {} connections are open; closing the oldest that has not sent its "
             "request (or the new one, when all are being answered) for each new connection",
             kMaxSessions);
       }
-    } else {
-      refusal_logged = false;
     }
     if (room) {
       auto session = std::make_shared<Session>(std::move(socket), *this);

@@ -2,17 +2,20 @@
 // in Prometheus text format at GET (or HEAD) /metrics (and /; a query string
 // is ignored), and takes POST /checkpoint (emberctl checkpoint): 200 with the
 // hook's text, 409 with its error when checkpoints are off, 500 when writing
-// failed, 503 when 4 requests are queued already. POST /checkpoint needs
+// failed, 503 when 4 requests are queued or running already. POST /checkpoint needs
 // `Authorization: Bearer <auth_token>` when a token is configured, and comes
 // only from a loopback peer when none is (401 / 403 otherwise). Other
 // methods on those paths get 405, other paths 404, a request over 16 KiB of
 // header or 4 KiB of body 413, a malformed one 400.
 //
 // One thread runs its own io_context; each connection gets one response and
-// is closed (Prometheus scrapes are rare: no keep-alive needed), within 10 s
-// of being accepted. At 64 open connections a new one closes the oldest that
-// has not sent its request yet (an idle or slow client), or is itself closed
-// when all 64 are being answered (logged once). Before each render, `refresh` runs on that thread so
+// is closed (Prometheus scrapes are rare: no keep-alive needed). A client
+// has 10 s to send its request and 10 s to read the answer (a checkpoint
+// request's answer waits for the checkpoint). At 64 open connections a new
+// one closes the oldest that has not sent its request yet (an idle or slow
+// client), or is itself closed when all 64 are being answered (logged at
+// most once a minute). Peers on 127.0.0.0/8, ::1 and ::ffff:127.0.0.0/104
+// are loopback. Before each render, `refresh` runs on that thread so
 // the owner can update gauges that are sampled rather than counted (ring
 // occupancy, pool usage, connections). The checkpoint hook runs on a thread
 // of its own, one request after another, so that scrapes and probes go on

@@ -158,6 +158,10 @@ struct ConnState {
   // Its rank was lost when it connected: the rank is back (kWorkerBack) at
   // its first message that is not a refused join, not at accept.
   std::atomic<bool> back_pending{false};
+  // Messages handled (on_message, past the checks of a refused connection):
+  // a refused join that was the first takes the connection out of its
+  // rank's count; one after other messages is a bad request of a member.
+  std::atomic<std::uint64_t> messages{0};
 };
 
 }  // namespace
@@ -882,7 +886,10 @@ void Server::Impl::rejoin(ConnState& c) {
 
 void Server::Impl::refuse_join(ConnState& c, std::uint32_t channel, const proto::Header& h,
                                Error why) {
-  {
+  if (c.messages.load() == 1) {
+    // The connection's first message: it never was the rank's worker.
+    // (Later, it spoke as the rank already, perhaps brought it back: it
+    // stays a member, and its close below is the rank's loss as usual.)
     std::lock_guard lock(conns_mutex);
     c.back_pending.store(false);
     if (c.member) {
@@ -891,7 +898,11 @@ void Server::Impl::refuse_join(ConnState& c, std::uint32_t channel, const proto:
     }
   }
   conns_cv.notify_all();
+  // Answered, then closed (as a refusal at accept is): nothing more from
+  // it is served, and the rank's slot is free for its real worker.
+  if (c.closing.exchange(true)) return;
   error(ReplyTo{c.id, channel}, h, std::move(why));
+  close_here(c);
 }
 
 void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
@@ -1327,6 +1338,7 @@ void Server::Impl::on_message(transport::Connection& conn, transport::Incoming&&
                                     proto::describe(h), h.worker_rank, c->rank)));
     return;
   }
+  c->messages.fetch_add(1, std::memory_order_relaxed);
   if (c->back_pending.load(std::memory_order_relaxed) && h.type != proto::MsgType::kJoin)
       [[unlikely]] {
     rejoin(*c);  // a client that sends without a join (handle_join does it for joins)

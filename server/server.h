@@ -19,7 +19,11 @@
 // Control: join, set_learning_rate and checkpoint requests are handled off
 // the shards' data path. Worker loss: when the last connection of a rank
 // closes (heartbeat timeout, reset, close), every shard gets kWorkerLost; when
-// the rank connects again, kWorkerBack (it rejoins).
+// a connection of the rank is accepted again and its join succeeds (or, for
+// a client without a join, at its first request), kWorkerBack (it rejoins).
+// A connection whose first message is a refused join (another [cluster]
+// table, partition_bytes) is answered, closed, and never counted for its
+// rank.
 //
 // Bad requests: a malformed message closes that connection (logged once with
 // the peer); a well-formed request the store refuses gets an error reply

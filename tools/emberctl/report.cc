@@ -245,11 +245,12 @@ std::string format_stats(const Exposition& now, const Exposition* previous, doub
       const auto it = std::find_if(before.begin(), before.end(),
                                    [&](const Histogram& b) { return b.labels == h.labels; });
       if (it == before.end() || it->buckets.size() != h.buckets.size() || it->count > h.count) continue;
-      bool same_bounds = true;
+      bool same_series = true;  // same bounds, and no bucket went down (a restart)
       for (std::size_t i = 0; i < h.buckets.size(); ++i) {
-        same_bounds = same_bounds && h.buckets[i].first == it->buckets[i].first;
+        same_series = same_series && h.buckets[i].first == it->buckets[i].first &&
+                      h.buckets[i].second >= it->buckets[i].second;
       }
-      if (!same_bounds) continue;
+      if (!same_series) continue;
       for (std::size_t i = 0; i < h.buckets.size(); ++i) h.buckets[i].second -= it->buckets[i].second;
       h.count -= it->count;
       h.sum -= it->sum;

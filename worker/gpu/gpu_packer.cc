@@ -491,7 +491,11 @@ Status GpuPacker::finish(cudaStream_t stream) {
     f_.kinds[k].pending = false;
     if (s[k].code == 0) continue;
     Error e = status_to_error(s[k], *f_.plan, k == kPack ? "pack" : "unpack");
-    EMBER_TRY(reset_counters(k, stream));
+    if (Status reset = reset_counters(k, stream); !reset) {
+      // The step's own failure stays the error; the reset's joins it.
+      e = Error(e.code(), fmt::format("{}; resetting the counters afterwards failed too: {}",
+                                      e.message(), reset.error().to_string()));
+    }
     if (!first) first = std::move(e);
   }
   if (first) return tl::unexpected(std::move(*first));

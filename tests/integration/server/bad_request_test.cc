@@ -426,6 +426,50 @@ TEST(BadRequestsBsp, AWorkerRefusedAtJoinIsNotItsRanksLoss) {
   EXPECT_EQ(server.log().find("rejoining"), std::string::npos) << server.log();
 }
 
+// The refused connection is answered and closed: it cannot go on as the
+// rank (two live connections for one rank once the real worker came), and
+// a member that sends a bad join later is lost, not forgotten.
+TEST(BadRequestsBsp, ARefusedJoinIsAnsweredThenClosed) {
+  RankZeroOfTwo job("fail");
+  ASSERT_TRUE(job.ok());
+  RawClient stray(job.server->address(), 1);
+  Header h;
+  h.type = MsgType::kJoin;
+  h.worker_rank = 1;
+  h.request_id = 1;
+  const auto body = proto::encode_body(proto::JoinRequestBody{3, 1, 0, 0});  // 3 workers, not 2
+  stray.send(proto::encode_message(h, {}, body));
+  std::string text;
+  auto reply = stray.reply(&text);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->status, ErrorCode::kConfig) << text;
+  EXPECT_NE(text.find("different [cluster] table"), std::string::npos) << text;
+  ASSERT_TRUE(stray.closed().has_value()) << "the server left the refused connection open";
+  // Its rank's worker joins as usual meanwhile.
+  auto w1 = Worker::create(worker_config(job.spec, {job.server->address()}, 1));
+  ASSERT_TRUE(w1) << w1.error().to_string();
+
+  w1->reset();  // rank 1 leaves in order: "fail" fails it
+
+  // A connection that spoke as rank 1 (a push: rank 1 is back) and then
+  // sends a bad join is rank 1's loss when it is closed: rank 0's next round
+  // fails at once instead of waiting for a rank that has no connection.
+  RawClient member(job.server->address(), 1);
+  member.send(keyed(MsgType::kPush, 1, 2, 0), {}, {4, 4});
+  std::string push_text;
+  ASSERT_TRUE(member.reply(&push_text)) << push_text;
+  ASSERT_TRUE(job.w0->push(1, std::vector<float>{2, 2}).wait());
+  std::vector<float> p(2);
+  ASSERT_TRUE(job.w0->pull(1, p).wait());  // round 0: both pushes
+  h.request_id = 2;
+  member.send(proto::encode_message(h, {}, body));
+  ASSERT_TRUE(member.closed().has_value());
+  ASSERT_TRUE(job.w0->push(1, std::vector<float>{2, 2}).wait());
+  auto r = job.w0->pull(1, p).wait_for(10s);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kWorkerLost) << r.error().to_string();
+}
+
 TEST(BadRequestsBsp, AWorkerRefusedAtJoinDoesNotBringALostRankBack) {
   RankZeroOfTwo job("shrink");
   ASSERT_TRUE(job.ok());
@@ -1253,6 +1297,10 @@ TEST(ServerMetrics, RoutesByPathAnswersHeadAndNamesTheMethods) {
   EXPECT_NE(get_checkpoint.find("405"), std::string::npos) << get_checkpoint;
   EXPECT_NE(get_checkpoint.find("Allow: POST"), std::string::npos) << get_checkpoint;
   EXPECT_NE(http_get(m, "/nope").find("404"), std::string::npos);
+  // A HEAD is answered without a body whatever the status.
+  const std::string head_404 = http_request(m, "HEAD", "/nope");
+  EXPECT_NE(head_404.find("404"), std::string::npos) << head_404;
+  EXPECT_EQ(head_404.find("not found;"), std::string::npos) << head_404;
 }
 
 // POST /checkpoint makes the server write and fsync a snapshot: with a token
