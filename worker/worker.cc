@@ -87,6 +87,22 @@ namespace {
 
 constexpr std::uint32_t kPendingShards = 16;
 
+// A server's error text as the caller and the log get it: control bytes
+// (a NUL would end it early for a C caller of ember_last_error) as \xNN.
+std::string printable(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      out += fmt::format("\\x{:02x}", u);
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 // A write window a request holds (shm, in place: the server writes the
 // reply's parameters straight into the caller's destination through it).
 // The operation counts it as a send in flight (Op::send_started), so it is
@@ -151,6 +167,10 @@ struct PendingReq {
   std::uint32_t resends = 0;
 };
 
+// How often at most the timer thread sweeps the requests of failed
+// operations out of the pending table (PendingTable::take_failed).
+constexpr std::chrono::milliseconds kFailedSweepInterval{500};
+
 // request id → waiting request, sharded to keep I/O and app threads apart.
 class PendingTable {
  public:
@@ -183,6 +203,33 @@ class PendingTable {
       }
     }
     return out;
+  }
+  // Removes the requests whose operation has failed (timed out, a sibling
+  // chunk's error) and that hold no open write window: a late reply to one
+  // is dropped as unknown, as it would be ignored anyway. Returns them, to
+  // be destroyed outside the locks.
+  std::vector<PendingReq> take_failed() {
+    std::vector<PendingReq> out;
+    for (Shard& s : shards_) {
+      std::lock_guard lock(s.mutex);
+      for (auto it = s.map.begin(); it != s.map.end();) {
+        if (it->second.op->failed() && !it->second.window.open()) {
+          out.push_back(std::move(it->second));
+          it = s.map.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    return out;
+  }
+  std::size_t size() {
+    std::size_t n = 0;
+    for (Shard& s : shards_) {
+      std::lock_guard lock(s.mutex);
+      n += s.map.size();
+    }
+    return n;
   }
   // Removes every request sent to `server` over connection generation `gen`.
   std::vector<PendingReq> take_connection(std::uint32_t server, std::uint64_t gen) {
@@ -1122,7 +1169,17 @@ std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts, std::string what) 
 void Worker::Impl::timer_loop() {
   pthread_setname_np(pthread_self(), "ember-wtimer");
   std::unique_lock lock(timer_mutex);
+  bool failed_sweep_due = false;
+  Clock::time_point last_failed_sweep{};
   while (!stopping) {
+    if (failed_sweep_due && Clock::now() - last_failed_sweep >= kFailedSweepInterval) {
+      failed_sweep_due = false;
+      last_failed_sweep = Clock::now();
+      lock.unlock();
+      (void)pending.take_failed();  // destroyed here, outside every lock
+      lock.lock();
+      continue;
+    }
     if (timers.empty()) {
       // new_op does not wake this thread: any deadline added while it sleeps
       // is at least request_timeout away from now.
@@ -1165,6 +1222,11 @@ void Worker::Impl::timer_loop() {
       // then the operation is done. (Only shm has windows: no scan of the
       // pending table per timeout over tcp or rdma.)
       if (kind == transport::Kind::kShm) (void)pending.take_windows_of(op.get());
+      // The timed-out requests themselves leave the table too (they used to
+      // stay until a reply or their connection's end: a server that stays
+      // up but stops answering grew it without bound): swept at the top of
+      // the loop, one scan for all the timeouts of a while.
+      failed_sweep_due = true;
     }
     lock.lock();
   }
@@ -1449,10 +1511,23 @@ void Worker::Impl::run_resend(ServerLink& link, ResendJob&& job) {
 
 void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport::Connection& conn,
                             transport::Incoming&& msg) {
-  if (msg.channel >= follow.slots.size()) {
-    log->error("server {} sent on channel {}; closing the connection", server, msg.channel);
-    servers[server]->poisoned_gen.store(follow.gen);  // a protocol error: not re-sent
+  // A server that breaks the protocol: logged, and every request waiting on
+  // this connection fails with what it did (kProtocol), not with the bare
+  // "closed" of the close that follows; nothing is re-sent to it.
+  auto broke = [&](const std::string& what) {
+    log->error("server {} broke the protocol: {}; closing the connection", server, what);
+    servers[server]->poisoned_gen.store(follow.gen);
+    for (PendingReq& r : pending.take_connection(server, follow.gen)) {
+      r.window = WindowLease();
+      r.op->fail(Error(ErrorCode::kProtocol,
+                       fmt::format("server {} at {} broke the protocol: {}; the connection was "
+                                   "closed (check that it runs the same Ember version)",
+                                   server, servers[server]->address, what)));
+    }
     conn.close();
+  };
+  if (msg.channel >= follow.slots.size()) {
+    broke(fmt::format("it sent on channel {}, of {}", msg.channel, follow.slots.size()));
     return;
   }
   auto& slot = follow.slots[msg.channel];
@@ -1460,10 +1535,8 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
     const proto::Header h = *slot;
     slot.reset();
     if (msg.bytes.size() != proto::tensor_bytes(h)) {
-      log->error("server {}: {} announced {} bytes, the next message has {}; closing the connection",
-                 server, proto::describe(h), proto::tensor_bytes(h), msg.bytes.size());
-      servers[server]->poisoned_gen.store(follow.gen);  // a protocol error: not re-sent
-    conn.close();
+      broke(fmt::format("{} announced {} bytes, the next message has {}", proto::describe(h),
+                        proto::tensor_bytes(h), msg.bytes.size()));
       return;
     }
     handle_reply(server, h, msg.bytes);
@@ -1471,10 +1544,9 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
   }
   auto decoded = proto::decode(msg.bytes);
   if (!decoded || !decoded->header.is_reply()) {
-    log->error("server {} sent a bad message ({}); closing the connection", server,
-               decoded ? "a request" : decoded.error().to_string());
-    servers[server]->poisoned_gen.store(follow.gen);  // a protocol error: not re-sent
-    conn.close();
+    broke(decoded ? fmt::format("it sent a request ({})", proto::describe(decoded->header))
+                  : fmt::format("it sent a message that does not decode ({})",
+                                decoded.error().to_string()));
     return;
   }
   if ((decoded->header.flags & proto::kFlagPayloadFollows) != 0) {
@@ -1489,8 +1561,26 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
   auto req = pending.take(h.request_id);
   if (!req) return;  // timed out earlier: dropped
   Op& op = *req->op;
+  // A reply answers the request it names: same type, key and chunk
+  // (reply_header copies them), and parameters are float32, the one type
+  // this worker stores. Another is a server that breaks the protocol; taken
+  // as it comes, it would complete the call with data of another kind or
+  // tensor.
+  const proto::Header& sent = req->header;
+  const bool parameters = h.status == ErrorCode::kOk && h.num_elements > 0 &&
+                          (h.type == proto::MsgType::kPull || h.type == proto::MsgType::kPushPull);
+  if (h.type != req->type || h.key != sent.key || h.chunk_index != sent.chunk_index ||
+      (parameters && h.dtype != proto::DType::kFloat32)) {
+    op.fail(Error(ErrorCode::kProtocol,
+                  fmt::format("server {} broke the protocol: its reply {} does not answer the "
+                              "request {} it names (id {}); check that the server runs the same "
+                              "Ember version",
+                              server, proto::describe(h), proto::describe(sent), h.request_id)));
+    return;
+  }
   if (h.status != ErrorCode::kOk) {
-    const std::string_view text(reinterpret_cast<const char*>(payload.data()), payload.size());
+    const std::string text = printable(
+        std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
     if (h.status == ErrorCode::kOutOfStep) {
       // The reply's step is the step the server expects; the operation's
       // on_out_of_step moves the key's step there. Named like a timeout.
@@ -2236,6 +2326,8 @@ Handle Worker::set_learning_rate(double learning_rate) {
 Handle Worker::checkpoint() {
   return impl_->broadcast(proto::MsgType::kCheckpoint, {}, proto::DType::kNone, 0, false, 0);
 }
+
+std::size_t Worker::pending_requests() const { return impl_->pending.size(); }
 
 std::size_t Worker::tracked_deadlines() const {
   std::lock_guard lock(impl_->timer_mutex);

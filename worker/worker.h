@@ -301,6 +301,12 @@ class Worker {
   // tests and diagnostics. Thread-safe.
   std::size_t tracked_deadlines() const;
 
+  // Requests sent and waiting for their reply (all servers). A request whose
+  // operation has failed (timed out) leaves within about 0.5 s, even while
+  // its server stays connected and never answers. For tests and diagnostics.
+  // Thread-safe.
+  std::size_t pending_requests() const;
+
  private:
   friend class Pipeline;
   Worker();

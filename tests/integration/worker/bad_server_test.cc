@@ -1,0 +1,270 @@
+// The worker facing a server that breaks the protocol: a fake server in this
+// process (Ember's own transport and message encoders, 127.0.0.1) answers
+// the worker's requests as a test tells it to. A reply that does not answer
+// the request it names, a message that does not decode, or an error text
+// with control bytes must give the caller a clear kProtocol (or the escaped
+// text), never data of another kind in its tensor; requests that time out
+// must not pile up while such a server stays connected.
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/config/config.h"
+#include "common/proto/message.h"
+#include "common/transport/transport.h"
+#include "worker/worker.h"
+
+namespace ember {
+namespace {
+
+using namespace std::chrono_literals;
+using proto::Header;
+using proto::MsgType;
+
+// What the fake server sends for one request: the messages, already encoded.
+using Messages = std::vector<std::vector<std::byte>>;
+using Answer = std::function<Messages(const proto::MessageView&)>;
+
+std::vector<std::byte> reply_to(const Header& request, std::span<const std::byte> body = {}) {
+  return proto::encode_message(proto::reply_header(request), {}, body);
+}
+
+// The join reply of a one-server, one-worker asp job, as a real server sends it.
+std::vector<std::byte> good_join(const Header& request) {
+  proto::JoinReplyBody rb{};
+  rb.num_workers = 1;
+  rb.num_servers = 1;
+  rb.server_index = 0;
+  rb.consistency = static_cast<std::uint8_t>(proto::Consistency::kAsp);
+  rb.num_shards = 1;
+  const auto body = proto::encode_body(rb);
+  return reply_to(request, body);
+}
+
+// A pull reply of `n` values `v` (dtype float32 unless told).
+std::vector<std::byte> values_reply(Header h, std::uint64_t n, float v) {
+  h.num_elements = n;
+  const std::vector<float> values(n, v);
+  return proto::encode_message(h, {}, std::as_bytes(std::span<const float>(values)));
+}
+
+class FakeServer {
+ public:
+  // `answer_pull` answers pulls; joins, inits and pushes get a good reply.
+  explicit FakeServer(Answer answer_pull, Answer answer_join = {})
+      : answer_pull_(std::move(answer_pull)), answer_join_(std::move(answer_join)) {
+    transport::Options o;
+    o.kind = transport::Kind::kTcp;
+    o.num_channels = 1;
+    auto t = transport::Transport::create(o);
+    EXPECT_TRUE(t) << t.error().to_string();
+    transport_ = std::move(*t);
+    transport::Handlers h;
+    h.on_message = [this](transport::Connection& c, transport::Incoming&& msg) {
+      auto m = proto::decode(msg.bytes);
+      if (!m) return;
+      for (const auto& bytes : answer(m->header, *m)) {
+        (void)c.send(msg.channel, bytes);
+        (void)c.flush(msg.channel);
+      }
+    };
+    h.on_closed = [](transport::Connection&, const Error&) {};
+    auto l = transport_->listen(
+        "127.0.0.1:0", {transport::Role::kServer, 0},
+        [this](std::shared_ptr<transport::Connection> c) {
+          std::lock_guard lock(mutex_);
+          connections_.push_back(std::move(c));
+        },
+        h);
+    EXPECT_TRUE(l) << l.error().to_string();
+    listener_ = std::move(*l);
+  }
+  ~FakeServer() {
+    listener_.reset();
+    transport_.reset();
+  }
+  std::string address() const { return listener_->address(); }
+
+  // A worker of a one-worker asp job at this server.
+  Result<std::unique_ptr<Worker>> worker(std::chrono::milliseconds request_timeout = 3000ms) {
+    auto c = config::parse_config(
+        fmt::format("[communication]\nprealloc_pages = 4\npool_backing = \"plain\"\nchannels = 1\n"
+                    "[cluster]\nservers = [\"{}\"]\nnum_workers = 1\n[server]\nconsistency = "
+                    "\"asp\"\n[worker]\nrequest_timeout = \"{}ms\"\nconnect_timeout = \"1s\"\n"
+                    "connect_retries = 1\nresend_attempts = 0\n",
+                    address(), request_timeout.count()),
+        "bad_server_test");
+    EXPECT_TRUE(c) << c.error().to_string();
+    return Worker::create(*c);
+  }
+
+ private:
+  Messages answer(const Header& h, const proto::MessageView& m) {
+    switch (h.type) {
+      case MsgType::kJoin:
+        return answer_join_ ? answer_join_(m) : Messages{good_join(h)};
+      case MsgType::kPull:
+      case MsgType::kPushPull:
+        return answer_pull_(m);
+      default:
+        return {reply_to(h)};
+    }
+  }
+
+  Answer answer_pull_;
+  Answer answer_join_;
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<transport::Listener> listener_;
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<transport::Connection>> connections_;
+};
+
+constexpr std::uint64_t kKey = 1;
+constexpr std::uint64_t kShape[] = {8};
+
+// Inits key 1 (8 floats), then pulls it into a buffer of -42s followed by
+// 8 more -42s: the pull's result, and whether nothing was written.
+struct PullOutcome {
+  Result<std::uint64_t> result = tl::unexpected(Error());
+  bool untouched = false;
+};
+PullOutcome pull_once(Worker& w) {
+  PullOutcome out;
+  EXPECT_TRUE(w.init(kKey, kShape, std::vector<float>(8, 0.5f)).wait());
+  std::vector<float> buffer(16, -42.0f);
+  out.result = w.pull(kKey, std::span<float>(buffer).first(8)).wait();
+  out.untouched = std::all_of(buffer.begin(), buffer.end(), [](float v) { return v == -42.0f; });
+  return out;
+}
+
+TEST(WorkerBadServer, AReplyOfAnotherTypeIsAProtocolErrorAndWritesNothing) {
+  FakeServer server([](const proto::MessageView& m) {
+    Header h = proto::reply_header(m.header);
+    h.type = MsgType::kPush;  // a push's reply to a pull
+    return Messages{proto::encode_message(h, {}, {})};
+  });
+  auto w = server.worker();
+  ASSERT_TRUE(w) << w.error().to_string();
+  const PullOutcome r = pull_once(**w);
+  ASSERT_FALSE(r.result);
+  EXPECT_EQ(r.result.error().code(), ErrorCode::kProtocol) << r.result.error().to_string();
+  EXPECT_NE(r.result.error().message().find("does not answer the request"), std::string::npos)
+      << r.result.error().to_string();
+  EXPECT_TRUE(r.untouched);
+}
+
+TEST(WorkerBadServer, APullReplyOfAnotherKeyOrDtypeIsRefused) {
+  struct Case {
+    const char* name;
+    std::function<void(Header&)> change;
+  };
+  const std::vector<Case> cases{
+      {"another key", [](Header& h) { h.key += 1; }},
+      {"another chunk", [](Header& h) { h.chunk_index += 1; }},
+      // The same bytes as 16 float16 values.
+      {"float16", [](Header& h) { h.dtype = proto::DType::kFloat16; }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    FakeServer server([&](const proto::MessageView& m) {
+      Header h = proto::reply_header(m.header);
+      c.change(h);
+      const std::uint64_t n = h.dtype == proto::DType::kFloat16 ? 16 : 8;
+      std::vector<float> values(8, 7.0f);
+      h.num_elements = n;
+      return Messages{
+          proto::encode_message(h, {}, std::as_bytes(std::span<const float>(values)))};
+    });
+    auto w = server.worker();
+    ASSERT_TRUE(w) << w.error().to_string();
+    const PullOutcome r = pull_once(**w);
+    ASSERT_FALSE(r.result);
+    EXPECT_EQ(r.result.error().code(), ErrorCode::kProtocol) << r.result.error().to_string();
+    EXPECT_TRUE(r.untouched);
+  }
+}
+
+TEST(WorkerBadServer, AJoinAnsweredWithAnotherTypeFailsCreate) {
+  FakeServer server(
+      [](const proto::MessageView& m) {
+        return Messages{values_reply(proto::reply_header(m.header), 8, 1.0f)};
+      },
+      [](const proto::MessageView& m) {
+                      Header h = proto::reply_header(m.header);
+                      h.type = MsgType::kBarrier;
+                      return Messages{proto::encode_message(h, {}, {})};
+                    });
+  auto w = server.worker();
+  ASSERT_FALSE(w);
+  EXPECT_EQ(w.error().code(), ErrorCode::kProtocol) << w.error().to_string();
+}
+
+// A message that is not a reply at all: the waiting requests fail with what
+// the server did, not with the bare "closed" of the close that follows.
+TEST(WorkerBadServer, ARequestFromTheServerFailsTheWaitingCallsNamingIt) {
+  FakeServer server([](const proto::MessageView& m) {
+    Header h = m.header;  // echoed as is: a request, not a reply
+    return Messages{proto::encode_message(h, {}, {})};
+  });
+  auto w = server.worker();
+  ASSERT_TRUE(w) << w.error().to_string();
+  const PullOutcome r = pull_once(**w);
+  ASSERT_FALSE(r.result);
+  EXPECT_EQ(r.result.error().code(), ErrorCode::kProtocol) << r.result.error().to_string();
+  EXPECT_NE(r.result.error().message().find("broke the protocol: it sent a request"),
+            std::string::npos)
+      << r.result.error().to_string();
+  EXPECT_TRUE(r.untouched);
+}
+
+// A NUL would end the text early for a C caller (ember_last_error).
+TEST(WorkerBadServer, ControlBytesInAnErrorTextAreEscaped) {
+  FakeServer server([](const proto::MessageView& m) {
+    Header h = proto::reply_header(m.header);
+    h.status = ErrorCode::kInternal;
+    const std::string text("before\0after\n", 13);
+    return Messages{proto::encode_message(h, {}, std::as_bytes(std::span(text)))};
+  });
+  auto w = server.worker();
+  ASSERT_TRUE(w) << w.error().to_string();
+  const PullOutcome r = pull_once(**w);
+  ASSERT_FALSE(r.result);
+  EXPECT_EQ(r.result.error().code(), ErrorCode::kInternal);
+  EXPECT_NE(r.result.error().message().find("before\\x00after\\x0a"), std::string::npos)
+      << r.result.error().message();
+}
+
+// A server that stays connected (heartbeats) but never answers: each pull
+// times out, and its request leaves the worker's table rather than staying
+// until the connection ends.
+TEST(WorkerBadServer, TimedOutRequestsDoNotPileUpWhileTheServerStaysConnected) {
+  FakeServer server([](const proto::MessageView&) { return Messages{}; });
+  auto w = server.worker(200ms);
+  ASSERT_TRUE(w) << w.error().to_string();
+  ASSERT_TRUE((*w)->init(kKey, kShape, std::vector<float>(8, 0.5f)).wait());
+  std::vector<std::vector<float>> buffers(50, std::vector<float>(8));
+  std::vector<Handle> pulls;
+  for (auto& b : buffers) pulls.push_back((*w)->pull(kKey, b));
+  for (Handle& h : pulls) {
+    auto r = h.wait();
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.error().code(), ErrorCode::kTimeout) << r.error().to_string();
+  }
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while ((*w)->pending_requests() != 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ((*w)->pending_requests(), 0u);
+}
+
+}  // namespace
+}  // namespace ember
