@@ -63,20 +63,38 @@ done
 first_rc=0
 remaining=${#pids[@]}
 declare -A done_pid=()
-while ((remaining > 0)); do
-  wait -n -p finished "${pids[@]}" 2>/dev/null
-  rc=$?
-  [[ -z ${finished:-} || -n ${done_pid[$finished]:-} ]] && continue
-  done_pid[$finished]=1
+# A worker's exit: the first failure stops the others.
+finished_with() {  # finished_with PID RC
+  done_pid[$1]=1
   remaining=$((remaining - 1))
-  if ((rc != 0 && first_rc == 0)); then
-    first_rc=$rc
+  if (($2 != 0 && first_rc == 0)); then
+    first_rc=$2
     for ((r = 0; r < workers; r++)); do
-      if [[ ${pids[r]} == "$finished" ]]; then
-        echo "launch_workers: worker $r failed with exit code $rc; see $log_dir/worker-$r.log; stopping the others" >&2
+      if [[ ${pids[r]} == "$1" ]]; then
+        echo "launch_workers: worker $r failed with exit code $2; see $log_dir/worker-$r.log; stopping the others" >&2
       fi
     done
     stop_all
   fi
+}
+while ((remaining > 0)); do
+  finished=
+  wait -n -p finished "${pids[@]}" 2>/dev/null
+  rc=$?
+  if [[ -z ${finished:-} ]]; then
+    # 127: none of them is left for wait -n (bash reaps workers that die
+    # together, as after stop_all, on its own): collect each worker not yet
+    # counted with a plain wait, which returns its saved status.
+    if ((rc == 127)); then
+      for p in "${pids[@]}"; do
+        [[ -n ${done_pid[$p]:-} ]] && continue
+        wait "$p" 2>/dev/null
+        finished_with "$p" $?
+      done
+    fi
+    continue
+  fi
+  [[ -n ${done_pid[$finished]:-} ]] && continue
+  finished_with "$finished" "$rc"
 done
 exit "$first_rc"

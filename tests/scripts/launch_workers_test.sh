@@ -22,6 +22,18 @@ rc=$?
 set -e
 [[ $rc == 7 ]] || fail "expected exit code 7 of the failing worker, got $rc"
 
+# Workers that die together after a failure (stop_all) used to leave the
+# launcher spinning on `wait -n` (127, nothing to report) in about half of
+# the runs: each run must end, with the failure's code.
+for i in $(seq 10); do
+  set +e
+  timeout 20 "$lw" --workers 4 --log-dir "$tmp/b$i" -- \
+    sh -c 'if [ {rank} = 1 ]; then sleep 0.3; exit 3; fi; sleep 10' 2>/dev/null
+  rc=$?
+  set -e
+  [[ $rc == 3 ]] || fail "run $i: expected exit code 3 after a worker failed, got $rc (124: hung)"
+done
+
 set +e
 out=$("$lw" --workers 1 --cores "9999" --log-dir "$tmp/c" -- true 2>&1)
 rc=$?
