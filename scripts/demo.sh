@@ -96,7 +96,9 @@ fi
 if [[ -z $min_accuracy ]]; then
   if [[ $mode == bsp ]] && ((epochs >= 3)); then min_accuracy=0.85; else min_accuracy=0.5; fi
 fi
+lr_default=0
 if [[ -z $lr ]]; then
+  lr_default=1
   if [[ $mode == bsp ]]; then lr=0.05; else lr=$(awk -v n="$workers" 'BEGIN { printf "%.6g", 0.05 / n }'); fi
 fi
 if [[ ! $lr =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] ||
@@ -106,7 +108,15 @@ fi
 # The one-process baseline takes the step the job takes per round: bsp applies
 # the mean of the N gradients with lr (a batch of N*B at lr), asp and ssp
 # apply each worker's gradient with lr (about N*lr per N*B samples).
-if [[ $mode == bsp ]]; then baseline_lr=$lr; else baseline_lr=$(awk -v l="$lr" -v n="$workers" 'BEGIN { printf "%.6g", l * n }'); fi
+# (The default lr 0.05/N was rounded to 6 digits: the baseline takes 0.05
+# itself, not 0.0500001.)
+if [[ $mode == bsp ]]; then
+  baseline_lr=$lr
+elif ((lr_default)); then
+  baseline_lr=0.05
+else
+  baseline_lr=$(awk -v l="$lr" -v n="$workers" 'BEGIN { printf "%.6g", l * n }')
+fi
 [[ $min_accuracy =~ ^(0(\.[0-9]+)?|1(\.0+)?)$ ]] || die "--min-accuracy must be in [0, 1] (got '$min_accuracy')"
 
 if [[ -t 1 ]]; then bold=$'\e[1m'; red=$'\e[31m'; green=$'\e[32m'; off=$'\e[0m'; else bold=""; red=""; green=""; off=""; fi
@@ -295,9 +305,11 @@ render() {
   done
   if ((done_all)); then
     line=$(grep -a "^epoch $shown_epoch/" "$run_dir/worker-0.log" | tail -n 1)
-    printf '%s  epoch %d/%d [%s] %s steps  loss %s  test accuracy%s  %s samples/s/worker  comm %s\n' \
-      "$cr" "$shown_epoch" "$epochs" "$(bar 1 1 30)" "$(field "$line" steps)" "$(field "$line" train_loss)" \
-      "$accs" "$(field "$line" samples_per_s)" "$(percent "$(field "$line" comm_share)")"
+    # Accuracy of every worker; loss, speed and comm share of rank 0 (the
+    # final table has every worker's).
+    printf '%s  epoch %d/%d [%s] %s steps  test accuracy%s  rank 0: loss %s  %s samples/s  comm %s\n' \
+      "$cr" "$shown_epoch" "$epochs" "$(bar 1 1 30)" "$(field "$line" steps)" "$accs" \
+      "$(field "$line" train_loss)" "$(field "$line" samples_per_s)" "$(percent "$(field "$line" comm_share)")"
     shown_epoch=$((shown_epoch + 1))
     ((shown_epoch <= epochs)) && render "$final"
     return 0

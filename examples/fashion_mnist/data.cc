@@ -53,7 +53,13 @@ Result<std::size_t> read_some(gzFile file, std::uint8_t* out, std::size_t size,
     if (got < 0) {
       int zerr = Z_OK;
       const char* message = gzerror(file, &zerr);
-      if (zerr == Z_ERRNO) return make_sys_error(errno, "{}: read failed", path);
+      if (zerr == Z_ERRNO) {
+        // EISDIR: a directory where the file should be.
+        return make_sys_error(errno, "{}: read failed; the data files are those of the Debian "
+                                     "package dataset-fashion-mnist (apt-get install --reinstall "
+                                     "dataset-fashion-mnist)",
+                              path);
+      }
       return corrupt(path, fmt::format("gzip stream error ({})", message));
     }
     if (got == 0) break;
