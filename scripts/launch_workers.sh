@@ -96,5 +96,15 @@ while ((remaining > 0)); do
   fi
   [[ -n ${done_pid[$finished]:-} ]] && continue
   finished_with "$finished" "$rc"
+  # Workers that died meanwhile may have been reaped with this one, and
+  # wait -n never reports those: a worker that is gone is collected now (a
+  # plain wait returns its saved status), so its failure still stops the
+  # others.
+  for p in "${pids[@]}"; do
+    [[ -n ${done_pid[$p]:-} ]] && continue
+    kill -0 "$p" 2>/dev/null && continue
+    wait "$p" 2>/dev/null
+    finished_with "$p" $?
+  done
 done
 exit "$first_rc"

@@ -452,6 +452,15 @@ struct Worker::Impl {
   };
   mutable std::mutex timer_mutex;
   std::condition_variable timer_cv;
+  // Operations have failed whose requests may still sit in `pending` (a
+  // timeout; an error from one server of a multi-server operation; a server
+  // that broke the protocol): the timer thread sweeps them out
+  // (PendingTable::take_failed) within about kFailedSweepInterval.
+  std::atomic<bool> sweep_due{false};
+  void request_sweep() {
+    sweep_due.store(true, std::memory_order_release);
+    timer_cv.notify_one();  // without timer_mutex: a missed wake-up waits for the next timer
+  }
   std::deque<Timer> timers;
   std::size_t timers_sweep_at = kTimerSweepMin;  // sweep when the queue reaches this size
   static constexpr std::size_t kTimerSweepMin = 64;
@@ -1169,26 +1178,29 @@ std::shared_ptr<Op> Worker::Impl::new_op(std::uint32_t parts, std::string what) 
 void Worker::Impl::timer_loop() {
   pthread_setname_np(pthread_self(), "ember-wtimer");
   std::unique_lock lock(timer_mutex);
-  bool failed_sweep_due = false;
   Clock::time_point last_failed_sweep{};
   while (!stopping) {
-    if (failed_sweep_due && Clock::now() - last_failed_sweep >= kFailedSweepInterval) {
-      failed_sweep_due = false;
-      last_failed_sweep = Clock::now();
-      lock.unlock();
-      (void)pending.take_failed();  // destroyed here, outside every lock
-      lock.lock();
-      continue;
-    }
-    if (timers.empty()) {
+    const Clock::time_point now = Clock::now();
+    const bool expired = !timers.empty() && now >= timers.front().deadline;
+    if (!expired) {
+      // Between timeouts: the requests of failed operations (sweep_due) are
+      // swept at most every kFailedSweepInterval, so a burst of timeouts
+      // costs one scan, done after all of them.
+      const Clock::time_point sweep_at = last_failed_sweep + kFailedSweepInterval;
+      if (sweep_due.load(std::memory_order_acquire) && now >= sweep_at) {
+        sweep_due.store(false, std::memory_order_relaxed);
+        last_failed_sweep = now;
+        lock.unlock();
+        (void)pending.take_failed();  // destroyed here, outside every lock
+        lock.lock();
+        continue;
+      }
       // new_op does not wake this thread: any deadline added while it sleeps
-      // is at least request_timeout away from now.
-      timer_cv.wait_for(lock, config.worker.request_timeout);
-      continue;
-    }
-    const auto deadline = timers.front().deadline;
-    if (Clock::now() < deadline) {
-      timer_cv.wait_until(lock, deadline);
+      // is at least request_timeout away from now. request_sweep() does.
+      Clock::time_point wake =
+          timers.empty() ? now + config.worker.request_timeout : timers.front().deadline;
+      if (sweep_due.load(std::memory_order_acquire)) wake = std::min(wake, sweep_at);
+      timer_cv.wait_until(lock, wake);
       continue;
     }
     std::weak_ptr<Op> weak = std::move(timers.front().op);
@@ -1224,9 +1236,9 @@ void Worker::Impl::timer_loop() {
       if (kind == transport::Kind::kShm) (void)pending.take_windows_of(op.get());
       // The timed-out requests themselves leave the table too (they used to
       // stay until a reply or their connection's end: a server that stays
-      // up but stops answering grew it without bound): swept at the top of
-      // the loop, one scan for all the timeouts of a while.
-      failed_sweep_due = true;
+      // up but stops answering grew it without bound): swept between
+      // timeouts, one scan for all the timeouts of a while.
+      sweep_due.store(true, std::memory_order_release);
     }
     lock.lock();
   }
@@ -1265,8 +1277,8 @@ void Worker::Impl::on_closed(std::uint32_t server, std::uint64_t gen, const Erro
     }
   }
   // Requests whose operation has already failed (timed out, or a sibling
-  // chunk's error) stay in the table until their connection goes, for late
-  // replies; the caller has seen their error, so they are not news.
+  // chunk's error) and that the timer thread has not swept out yet
+  // (take_failed): the caller has seen their error, so they are not news.
   const auto newly_failed = static_cast<std::size_t>(
       std::count_if(failed.begin(), failed.end(), [](const PendingReq& r) { return !r.op->failed(); }));
   if (newly_failed > 0 ||
@@ -1517,14 +1529,20 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
   auto broke = [&](const std::string& what) {
     log->error("server {} broke the protocol: {}; closing the connection", server, what);
     servers[server]->poisoned_gen.store(follow.gen);
-    for (PendingReq& r : pending.take_connection(server, follow.gen)) {
-      r.window = WindowLease();
-      r.op->fail(Error(ErrorCode::kProtocol,
-                       fmt::format("server {} at {} broke the protocol: {}; the connection was "
-                                   "closed (check that it runs the same Ember version)",
-                                   server, servers[server]->address, what)));
-    }
+    std::vector<PendingReq> waiting = pending.take_connection(server, follow.gen);
+    // Closed before their windows are: closing a window of a live shm lane
+    // waits for a write in progress (as in on_closed, after the close).
     conn.close();
+    bool finished = false;
+    for (PendingReq& r : waiting) {
+      r.window = WindowLease();
+      finished |= r.op->fail(Error(ErrorCode::kProtocol,
+                                   fmt::format("server {} at {} broke the protocol: {}; the "
+                                               "connection was closed (check that it runs the "
+                                               "same Ember version)",
+                                               server, servers[server]->address, what)));
+    }
+    if (finished) request_sweep();  // their requests to other servers
   };
   if (msg.channel >= follow.slots.size()) {
     broke(fmt::format("it sent on channel {}, of {}", msg.channel, follow.slots.size()));
@@ -1561,6 +1579,11 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
   auto req = pending.take(h.request_id);
   if (!req) return;  // timed out earlier: dropped
   Op& op = *req->op;
+  // The first error finishes the operation; its requests to other servers
+  // (chunks) are then swept out of the table.
+  auto fail = [&](Error e) {
+    if (op.fail(std::move(e))) request_sweep();
+  };
   // A reply answers the request it names: same type, key and chunk
   // (reply_header copies them), and parameters are float32, the one type
   // this worker stores. Another is a server that breaks the protocol; taken
@@ -1571,7 +1594,7 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
                           (h.type == proto::MsgType::kPull || h.type == proto::MsgType::kPushPull);
   if (h.type != req->type || h.key != sent.key || h.chunk_index != sent.chunk_index ||
       (parameters && h.dtype != proto::DType::kFloat32)) {
-    op.fail(Error(ErrorCode::kProtocol,
+    fail(Error(ErrorCode::kProtocol,
                   fmt::format("server {} broke the protocol: its reply {} does not answer the "
                               "request {} it names (id {}); check that the server runs the same "
                               "Ember version",
@@ -1598,12 +1621,15 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
               unanswered, h.key, ks->next_step.load(std::memory_order_acquire));
         }
       }
-      op.fail_out_of_step(Error(h.status, fmt::format("{}{}server {}: {}{}", what,
-                                                      what.empty() ? "" : ": ", server, text, hint)),
-                          h.step);
+      if (op.fail_out_of_step(Error(h.status, fmt::format("{}{}server {}: {}{}", what,
+                                                          what.empty() ? "" : ": ", server, text,
+                                                          hint)),
+                              h.step)) {
+        request_sweep();
+      }
       return;
     }
-    op.fail(Error(h.status, fmt::format("server {}: {}", server, text)));
+    fail(Error(h.status, fmt::format("server {}: {}", server, text)));
     return;
   }
   switch (h.type) {
@@ -1614,7 +1640,7 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
         // The server wrote the parameters into req->dest already (the
         // request's placement); the lane's ordering makes them visible here.
         if (!req->in_place || proto::tensor_bytes(h) != req->dest_bytes) {
-          op.fail(Error(ErrorCode::kProtocol,
+          fail(Error(ErrorCode::kProtocol,
                         fmt::format("server {}: {} says it wrote {} bytes in place; the "
                                     "request {} ({} bytes)",
                                     server, proto::describe(h), proto::tensor_bytes(h),
@@ -1626,7 +1652,7 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
         return;
       }
       if (payload.size() != req->dest_bytes) {
-        op.fail(Error(ErrorCode::kProtocol,
+        fail(Error(ErrorCode::kProtocol,
                       fmt::format("server {}: {} carries {} bytes, expected {}", server,
                                   proto::describe(h), payload.size(), req->dest_bytes)));
         return;

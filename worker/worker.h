@@ -302,9 +302,9 @@ class Worker {
   std::size_t tracked_deadlines() const;
 
   // Requests sent and waiting for their reply (all servers). A request whose
-  // operation has failed (timed out) leaves within about 0.5 s, even while
-  // its server stays connected and never answers. For tests and diagnostics.
-  // Thread-safe.
+  // operation has failed (timed out, or an error from another of its
+  // servers) leaves within about 0.5 s, even while its server stays
+  // connected and never answers. For tests and diagnostics. Thread-safe.
   std::size_t pending_requests() const;
 
  private:

@@ -246,9 +246,11 @@ TEST(WorkerBadServer, ControlBytesInAnErrorTextAreEscaped) {
 // A server that stays connected (heartbeats) but never answers: each pull
 // times out, and its request leaves the worker's table rather than staying
 // until the connection ends.
+// (A request_timeout well above the sweep's 0.5 s: the sweep must not wait
+// for the next timeout or request_timeout to come round.)
 TEST(WorkerBadServer, TimedOutRequestsDoNotPileUpWhileTheServerStaysConnected) {
   FakeServer server([](const proto::MessageView&) { return Messages{}; });
-  auto w = server.worker(200ms);
+  auto w = server.worker(3000ms);
   ASSERT_TRUE(w) << w.error().to_string();
   ASSERT_TRUE((*w)->init(kKey, kShape, std::vector<float>(8, 0.5f)).wait());
   std::vector<std::vector<float>> buffers(50, std::vector<float>(8));
@@ -259,11 +261,16 @@ TEST(WorkerBadServer, TimedOutRequestsDoNotPileUpWhileTheServerStaysConnected) {
     ASSERT_FALSE(r);
     EXPECT_EQ(r.error().code(), ErrorCode::kTimeout) << r.error().to_string();
   }
-  const auto until = std::chrono::steady_clock::now() + 10s;
-  while ((*w)->pending_requests() != 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(50ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  while ((*w)->pending_requests() != 0 && std::chrono::steady_clock::now() - t0 < 10s) {
+    std::this_thread::sleep_for(20ms);
   }
+  const auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_EQ((*w)->pending_requests(), 0u);
+  // About 0.5 s (worker.h); loose for a loaded machine, well below the 3 s
+  // the next wake-up would take.
+  EXPECT_LT(took, 2s) << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                      << " ms";
 }
 
 }  // namespace

@@ -260,6 +260,8 @@ TEST_P(TransportTest, ACorkedBurstOfSmallMessagesLeavesInFullBatches) {
 // while it waited (the batch then kept writing into a published slot).
 TEST_P(TransportTest, MessagesOfEveryPathFromConcurrentSendersArriveWhole) {
   Inbox server_in, client_in;  // before the transports: on_closed may run into it until they are gone
+  // Before the transports too: their I/O threads release its Buffers.
+  MemfdRegion registered(std::size_t{64} << 20);
   const Mode mode = GetParam();
   Options o = options_for(mode);
   o.ring_slots = 16;  // far less than the messages in flight: senders wait, mid-message too
@@ -267,7 +269,6 @@ TEST_P(TransportTest, MessagesOfEveryPathFromConcurrentSendersArriveWhole) {
   ASSERT_TRUE(server_tx);
   auto client_tx = Transport::create(o);
   ASSERT_TRUE(client_tx);
-  MemfdRegion registered(std::size_t{64} << 20);
   auto rid = (*client_tx)->register_memory(registered.region());
   ASSERT_TRUE(rid) << rid.error().to_string();
   registered.set_region_id(*rid);

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -78,7 +79,10 @@ inline std::optional<std::size_t> check_pattern(std::span<const std::byte> in,
 }
 
 // A memfd mapped at base; Buffers are carved with a bump pointer (4 KiB
-// aligned) and counted while alive.
+// aligned) and counted while alive. The count lives apart from the region
+// (shared with each Buffer's owner): a transport's I/O thread may release a
+// Buffer after the region is gone (a test that declares the region after
+// its transports destroys it first).
 class MemfdRegion {
  public:
   explicit MemfdRegion(std::size_t bytes) : bytes_(bytes) {
@@ -109,26 +113,26 @@ class MemfdRegion {
     if (next_ + aligned > bytes_) next_ = 0;
     const std::size_t off = next_;
     next_ += aligned;
-    live_.fetch_add(1);
+    live_->count.fetch_add(1);
     struct Owner {
-      MemfdRegion* region;
-      explicit Owner(MemfdRegion* r) : region(r) {}
-      Owner(Owner&& o) noexcept : region(o.region) { o.region = nullptr; }
+      std::shared_ptr<Live> live;
+      explicit Owner(std::shared_ptr<Live> l) : live(std::move(l)) {}
+      Owner(Owner&& o) noexcept = default;
       ~Owner() {
-        if (region == nullptr) return;
-        std::lock_guard lock(region->live_mu_);
-        region->live_.fetch_sub(1);
-        region->live_cv_.notify_all();
+        if (live == nullptr) return;
+        std::lock_guard lock(live->mu);
+        live->count.fetch_sub(1);
+        live->cv.notify_all();
       }
     };
     return Buffer::adopt(std::span<std::byte>(base_ + off, size),
-                         MemoryLocation{fd_, off, region_id_}, Owner(this));
+                         MemoryLocation{fd_, off, region_id_}, Owner(live_));
   }
-  int live() const { return live_.load(); }
+  int live() const { return live_->count.load(); }
   // Waits until every Buffer made here was released.
   bool wait_all_released(std::chrono::milliseconds timeout = 10s) {
-    std::unique_lock lock(live_mu_);
-    return live_cv_.wait_for(lock, timeout, [&] { return live_.load() == 0; });
+    std::unique_lock lock(live_->mu);
+    return live_->cv.wait_for(lock, timeout, [&] { return live_->count.load() == 0; });
   }
 
  private:
@@ -138,9 +142,12 @@ class MemfdRegion {
   std::uint32_t region_id_ = MemoryLocation::kNoRegion;
   std::mutex mu_;
   std::size_t next_ = 0;
-  std::atomic<int> live_{0};
-  std::mutex live_mu_;
-  std::condition_variable live_cv_;
+  struct Live {
+    std::atomic<int> count{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  std::shared_ptr<Live> live_ = std::make_shared<Live>();
 };
 
 // Waits for `pred` (evaluated under `mu`) with a deadline.
