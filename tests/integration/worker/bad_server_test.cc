@@ -146,20 +146,26 @@ PullOutcome pull_once(Worker& w) {
   return out;
 }
 
+// A worker of `server` pulls once: the pull fails with kProtocol, its
+// message holds `needle`, and nothing was written.
+void expect_protocol_error(FakeServer& server, const std::string& needle) {
+  auto w = server.worker();
+  ASSERT_TRUE(w) << w.error().to_string();
+  const PullOutcome r = pull_once(**w);
+  ASSERT_FALSE(r.result);
+  EXPECT_EQ(r.result.error().code(), ErrorCode::kProtocol) << r.result.error().to_string();
+  EXPECT_NE(r.result.error().message().find(needle), std::string::npos)
+      << r.result.error().to_string();
+  EXPECT_TRUE(r.untouched);
+}
+
 TEST(WorkerBadServer, AReplyOfAnotherTypeIsAProtocolErrorAndWritesNothing) {
   FakeServer server([](const proto::MessageView& m) {
     Header h = proto::reply_header(m.header);
     h.type = MsgType::kPush;  // a push's reply to a pull
     return Messages{proto::encode_message(h, {}, {})};
   });
-  auto w = server.worker();
-  ASSERT_TRUE(w) << w.error().to_string();
-  const PullOutcome r = pull_once(**w);
-  ASSERT_FALSE(r.result);
-  EXPECT_EQ(r.result.error().code(), ErrorCode::kProtocol) << r.result.error().to_string();
-  EXPECT_NE(r.result.error().message().find("does not answer the request"), std::string::npos)
-      << r.result.error().to_string();
-  EXPECT_TRUE(r.untouched);
+  expect_protocol_error(server, "does not answer the request");
 }
 
 TEST(WorkerBadServer, APullReplyOfAnotherKeyOrDtypeIsRefused) {
@@ -169,7 +175,11 @@ TEST(WorkerBadServer, APullReplyOfAnotherKeyOrDtypeIsRefused) {
   };
   const std::vector<Case> cases{
       {"another key", [](Header& h) { h.key += 1; }},
-      {"another chunk", [](Header& h) { h.chunk_index += 1; }},
+      {"another chunk",
+       [](Header& h) {
+         h.chunk_index += 1;
+         h.num_chunks = h.chunk_index + 1;
+       }},
       // The same bytes as 16 float16 values.
       {"float16", [](Header& h) { h.dtype = proto::DType::kFloat16; }},
   };
@@ -177,6 +187,7 @@ TEST(WorkerBadServer, APullReplyOfAnotherKeyOrDtypeIsRefused) {
     SCOPED_TRACE(c.name);
     FakeServer server([&](const proto::MessageView& m) {
       Header h = proto::reply_header(m.header);
+      h.dtype = proto::DType::kFloat32;  // well-formed, as a real pull reply
       c.change(h);
       const std::uint64_t n = h.dtype == proto::DType::kFloat16 ? 16 : 8;
       std::vector<float> values(8, 7.0f);
@@ -184,12 +195,7 @@ TEST(WorkerBadServer, APullReplyOfAnotherKeyOrDtypeIsRefused) {
       return Messages{
           proto::encode_message(h, {}, std::as_bytes(std::span<const float>(values)))};
     });
-    auto w = server.worker();
-    ASSERT_TRUE(w) << w.error().to_string();
-    const PullOutcome r = pull_once(**w);
-    ASSERT_FALSE(r.result);
-    EXPECT_EQ(r.result.error().code(), ErrorCode::kProtocol) << r.result.error().to_string();
-    EXPECT_TRUE(r.untouched);
+    expect_protocol_error(server, "does not answer the request");
   }
 }
 
@@ -215,15 +221,7 @@ TEST(WorkerBadServer, ARequestFromTheServerFailsTheWaitingCallsNamingIt) {
     Header h = m.header;  // echoed as is: a request, not a reply
     return Messages{proto::encode_message(h, {}, {})};
   });
-  auto w = server.worker();
-  ASSERT_TRUE(w) << w.error().to_string();
-  const PullOutcome r = pull_once(**w);
-  ASSERT_FALSE(r.result);
-  EXPECT_EQ(r.result.error().code(), ErrorCode::kProtocol) << r.result.error().to_string();
-  EXPECT_NE(r.result.error().message().find("broke the protocol: it sent a request"),
-            std::string::npos)
-      << r.result.error().to_string();
-  EXPECT_TRUE(r.untouched);
+  expect_protocol_error(server, "broke the protocol: it sent a request");
 }
 
 // A NUL would end the text early for a C caller (ember_last_error).
