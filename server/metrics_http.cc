@@ -19,6 +19,7 @@
 #include "common/base/logging.h"
 #include "common/config/config.h"
 #include "common/transport/accept_pacer.h"
+#include "common/transport/handshake.h"
 #include "common/transport/tcp/address.h"
 
 namespace ember::server {
@@ -52,14 +53,6 @@ std::string_view target_path(std::string_view target) {
   return target.substr(0, target.find_first_of("?#"));
 }
 
-// Compares in time independent of where the strings differ (a token).
-bool same_secret(std::string_view a, std::string_view b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
-  }
-  return diff == 0;
-}
 
 class Session;
 
@@ -196,7 +189,7 @@ class Session : public std::enable_shared_from_this<Session> {
       if (!impl_.auth_token.empty()) {
         const auto header = request[http::field::authorization];
         const std::string_view given(header.data(), header.size());
-        if (!given.starts_with("Bearer ") || !same_secret(given.substr(7), impl_.auth_token)) {
+        if (!given.starts_with("Bearer ") || !transport::handshake::tokens_equal(given.substr(7), impl_.auth_token)) {
           response_.set(http::field::www_authenticate, "Bearer");
           reply(http::status::unauthorized,
                 "POST /checkpoint needs the job's [communication] auth_token as 'Authorization: "

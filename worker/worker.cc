@@ -190,38 +190,14 @@ class PendingTable {
   }
   // Removes the requests of `op` that hold a write window (in place).
   std::vector<PendingReq> take_windows_of(const Op* op) {
-    std::vector<PendingReq> out;
-    for (Shard& s : shards_) {
-      std::lock_guard lock(s.mutex);
-      for (auto it = s.map.begin(); it != s.map.end();) {
-        if (it->second.op.get() == op && it->second.window.open()) {
-          out.push_back(std::move(it->second));
-          it = s.map.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    }
-    return out;
+    return take_if([op](const PendingReq& r) { return r.op.get() == op && r.window.open(); });
   }
   // Removes the requests whose operation has failed (timed out, a sibling
   // chunk's error) and that hold no open write window: a late reply to one
   // is dropped as unknown, as it would be ignored anyway. Returns them, to
   // be destroyed outside the locks.
   std::vector<PendingReq> take_failed() {
-    std::vector<PendingReq> out;
-    for (Shard& s : shards_) {
-      std::lock_guard lock(s.mutex);
-      for (auto it = s.map.begin(); it != s.map.end();) {
-        if (it->second.op->failed() && !it->second.window.open()) {
-          out.push_back(std::move(it->second));
-          it = s.map.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    }
-    return out;
+    return take_if([](const PendingReq& r) { return r.op->failed() && !r.window.open(); });
   }
   std::size_t size() {
     std::size_t n = 0;
@@ -233,11 +209,23 @@ class PendingTable {
   }
   // Removes every request sent to `server` over connection generation `gen`.
   std::vector<PendingReq> take_connection(std::uint32_t server, std::uint64_t gen) {
+    return take_if([=](const PendingReq& r) { return r.server == server && r.conn_gen == gen; });
+  }
+
+ private:
+  struct Shard {
+    std::mutex mutex;
+    std::unordered_map<std::uint64_t, PendingReq> map;
+  };
+  Shard& shard(std::uint64_t id) { return shards_[id % kPendingShards]; }
+  // Removes (and returns) every request `pred` holds for, shard by shard.
+  template <typename Pred>
+  std::vector<PendingReq> take_if(Pred pred) {
     std::vector<PendingReq> out;
     for (Shard& s : shards_) {
       std::lock_guard lock(s.mutex);
       for (auto it = s.map.begin(); it != s.map.end();) {
-        if (it->second.server == server && it->second.conn_gen == gen) {
+        if (pred(it->second)) {
           out.push_back(std::move(it->second));
           it = s.map.erase(it);
         } else {
@@ -247,13 +235,6 @@ class PendingTable {
     }
     return out;
   }
-
- private:
-  struct Shard {
-    std::mutex mutex;
-    std::unordered_map<std::uint64_t, PendingReq> map;
-  };
-  Shard& shard(std::uint64_t id) { return shards_[id % kPendingShards]; }
   std::array<Shard, kPendingShards> shards_;
 };
 

@@ -1164,6 +1164,12 @@ TEST(ServerCli, AFailedStartIsNeverSilent) {
   EXPECT_NE(r.err.find("cannot start"), std::string::npos) << r.err;
 }
 
+// The file descriptors process `pid` has open.
+std::ptrdiff_t open_descriptors(pid_t pid) {
+  return std::distance(std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid)),
+                       std::filesystem::directory_iterator{});
+}
+
 // Connections to 127.0.0.1:port (the kernel completes them from the listen
 // backlog whether or not the server accepts); -1 entries where connect failed.
 std::vector<int> open_connections(const std::string& address, int n) {
@@ -1201,8 +1207,7 @@ TEST(ServerMetrics, EndpointAndListenerRecoverAfterDescriptorsRunOut) {
   ServerProcess server(dir, spec, 0);
   ASSERT_TRUE(server.ok());
   const pid_t pid = server.process().pid();
-  const auto in_use = std::distance(std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid)),
-                                    std::filesystem::directory_iterator{});
+  const auto in_use = open_descriptors(pid);
   rlimit original{};
   ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, nullptr, &original), 0);
   const rlimit tight{static_cast<rlim_t>(in_use + 4), original.rlim_max};
@@ -1330,15 +1335,8 @@ TEST(ServerMetrics, IdleClientsNeitherPileUpNorKeepAScrapeOut) {
   TempDir dir;
   ServerProcess server(dir, ClusterSpec{}, 0);
   ASSERT_TRUE(server.ok());
-  auto open_fds = [&] {
-    std::size_t n = 0;
-    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(
-             fmt::format("/proc/{}/fd", server.process().pid()))) {
-      ++n;
-    }
-    return n;
-  };
-  const std::size_t before = open_fds();
+  const auto open_fds = [&] { return open_descriptors(server.process().pid()); };
+  const auto before = open_fds();
   std::vector<int> idle = open_connections(server.metrics_address(), 200);
   const auto t0 = std::chrono::steady_clock::now();
   const std::string scrape = http_get(server.metrics_address(), "/metrics");
