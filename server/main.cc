@@ -4,8 +4,9 @@
 //   ember-server --config FILE --check-config     validate and exit (0 valid, 1 not)
 //   ember-server --config FILE --print-config     print the effective config and exit
 //
-// Runs until SIGTERM or SIGINT, then drains, writes a final checkpoint (when
-// server.checkpoint_dir is set) and exits 0; another SIGTERM or SIGINT more
+// Runs until SIGTERM, SIGINT or SIGHUP (the terminal or ssh session that
+// started it went away), then drains, writes a final checkpoint (when
+// server.checkpoint_dir is set) and exits 0; another of these signals more
 // than 2 s after the first exits at once (128 + the signal number) without
 // the checkpoint.
 // A stop signal during start-up stops it before the ready line. Under systemd (NOTIFY_SOCKET
@@ -42,6 +43,12 @@
 #include "server/server.h"
 
 namespace {
+
+// "SIGTERM" for SIGTERM: the name operators look for in the log.
+std::string signal_name(int signal_number) {
+  const char* abbrev = sigabbrev_np(signal_number);
+  return abbrev != nullptr ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", signal_number);
+}
 
 void notify(const std::string& state) {
 #ifdef EMBER_HAVE_SYSTEMD
@@ -178,6 +185,9 @@ int run(int argc, char** argv) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  // A hangup would otherwise end the process by default action, without the
+  // drain or the final checkpoint, losing pushes already applied.
+  sigaddset(&stop_signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   auto server = ember::server::Server::create(config);
@@ -215,16 +225,16 @@ int run(int argc, char** argv) {
       signal_number = s;
     } else if (errno != EAGAIN && errno != EINTR) {
       // Never spin: wait without a timeout (and without watchdog pings).
-      log->error("sigtimedwait failed ({}); waiting for SIGTERM/SIGINT without watchdog pings",
+      log->error("sigtimedwait failed ({}); waiting for SIGTERM/SIGINT/SIGHUP without watchdog pings",
                  std::strerror(errno));
       if (sigwait(&stop_signals, &signal_number) != 0) signal_number = SIGTERM;
       break;
     }
     if (watchdog.count() > 0) notify("WATCHDOG=1");
   }
-  log->info("received {}: stopping (another SIGTERM or SIGINT after 2 s stops at once, without "
-            "the final checkpoint)",
-            signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
+  log->info("received {}: stopping (another SIGTERM, SIGINT or SIGHUP after 2 s stops at once, "
+            "without the final checkpoint)",
+            signal_name(signal_number));
   notify("STOPPING=1");
   // A second stop signal during the drain and the final checkpoint (say a
   // hung one) ends the process at once, as operators expect of Ctrl-C twice.
@@ -239,7 +249,7 @@ int run(int argc, char** argv) {
       if (sigwait(&stop_signals, &again) != 0) return;
       if (std::chrono::steady_clock::now() - first < kRepeatGrace) continue;
       log->warn("received {} again while stopping: exiting now, without the final checkpoint",
-                again == SIGTERM ? "SIGTERM" : "SIGINT");
+                signal_name(again));
       std::_Exit(128 + again);
     }
   }).detach();

@@ -109,6 +109,41 @@ TEST(ServerRecovery, CheckpointKillNineRestartKeepsParametersAndOptimizerState) 
   EXPECT_TRUE(same_bits(p4, ref));
 }
 
+// A hangup (the terminal or ssh session that started the server went away)
+// used to end it by SIGHUP's default action: no drain and no final
+// checkpoint, so every push applied since the last checkpoint was lost.
+TEST(ServerRecovery, SighupStopsInOrderAndKeepsEveryAppliedPush) {
+  TempDir dir;
+  const ClusterSpec spec = adam_spec(dir);
+  std::vector<float> p2(64);
+  {
+    ServerProcess a(dir, spec, 0);
+    ASSERT_TRUE(a.ok());
+    auto w = connect_worker(spec, a.address(), 0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+    ASSERT_TRUE(w->push_pull(5, gradient(0), p2).wait());
+    ASSERT_TRUE(w->push_pull(5, gradient(1), p2).wait());
+    w.reset();
+    a.process().signal(SIGHUP);
+    auto status = a.process().wait_exit();
+    ASSERT_TRUE(status);
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << a.log();
+    EXPECT_NE(a.log().find("received SIGHUP: stopping"), std::string::npos) << a.log();
+    EXPECT_NE(a.log().find("checkpoint 1 written"), std::string::npos) << a.log();
+  }
+  ServerProcess b(dir, spec, 0);
+  ASSERT_TRUE(b.ok());
+  auto w = connect_worker(spec, b.address(), 0);
+  ASSERT_TRUE(w);
+  auto resume = w->init(5, kShape, initial()).wait();  // exists: says where to resume
+  ASSERT_TRUE(resume);
+  EXPECT_EQ(*resume, 2u);
+  std::vector<float> got(64);
+  ASSERT_TRUE(w->pull(5, got).wait());
+  EXPECT_TRUE(same_bits(p2, got));
+}
+
 TEST(ServerRecovery, SigtermWritesFinalCheckpointAndATruncatedOneIsRefused) {
   TempDir dir;
   const ClusterSpec spec = adam_spec(dir);
