@@ -167,6 +167,12 @@ struct PendingReq {
   std::uint32_t resends = 0;
 };
 
+// Above any step a server names: a key's step moves by one per round (and
+// a push may run only a few steps ahead of it), so 2^53 rounds
+// (285 years at one per microsecond) mark a server that breaks the protocol.
+// A double holds it exactly (Python, metrics).
+constexpr std::uint64_t kLargestStep = std::uint64_t{1} << 53;
+
 // How often at most the timer thread sweeps the requests of failed
 // operations out of the pending table (PendingTable::take_failed).
 constexpr std::chrono::milliseconds kFailedSweepInterval{500};
@@ -180,10 +186,19 @@ class PendingTable {
     s.map.emplace(id, std::move(req));
   }
   std::optional<PendingReq> take(std::uint64_t id) {
+    bool elsewhere = false;
+    return take_reply(id, std::nullopt, &elsewhere);
+  }
+  // The request `id` sent to `server` (any server: nullopt); nullopt when
+  // there is none (and `*elsewhere` = whether `id` waits on another server:
+  // left there).
+  std::optional<PendingReq> take_reply(std::uint64_t id, std::optional<std::uint32_t> server,
+                                       bool* elsewhere) {
     Shard& s = shard(id);
     std::lock_guard lock(s.mutex);
     auto it = s.map.find(id);
-    if (it == s.map.end()) return std::nullopt;
+    *elsewhere = it != s.map.end() && server && it->second.server != *server;
+    if (it == s.map.end() || *elsewhere) return std::nullopt;
     PendingReq r = std::move(it->second);
     s.map.erase(it);
     return r;
@@ -585,7 +600,13 @@ struct Worker::Impl {
   };
   void on_reply(std::uint32_t server, FollowState& follow, transport::Connection& conn,
                 transport::Incoming&& msg);
-  void handle_reply(std::uint32_t server, const proto::Header& h, std::span<const std::byte> payload);
+  // Completes (or fails) the request `h` answers. Returns what the server
+  // did wrong when the reply breaks the protocol (the request, if any, has
+  // failed with kProtocol already): the caller then closes the connection,
+  // whose other replies cannot be trusted either, and only then `window`
+  // (the request's write window, handed over: see broke in on_reply).
+  std::optional<std::string> handle_reply(std::uint32_t server, const proto::Header& h,
+                                          std::span<const std::byte> payload, WindowLease& window);
   void on_closed(std::uint32_t server, std::uint64_t gen, const Error& reason);
 
   // ---- re-sending after a lost connection ----
@@ -1028,6 +1049,20 @@ Status Worker::Impl::join(ServerLink& link, std::uint64_t gen) {
     Error e = r.error();
     e.with_context(fmt::format("joining server {} at {}", link.index, link.address));
     return tl::unexpected(e);
+  }
+  // The server refuses a join whose counts differ from its own; one that
+  // accepts and answers others breaks the protocol (its key map would differ
+  // from this worker's).
+  if (body.num_workers != config.cluster.num_workers || body.num_servers != servers.size() ||
+      body.server_index != link.index || body.num_shards == 0) {
+    return tl::unexpected(Error(
+        ErrorCode::kProtocol,
+        fmt::format("server {} at {} broke the protocol: it accepted this worker's join (num_workers "
+                    "{}, {} server(s), index {}) but answered num_workers {}, {} server(s), index "
+                    "{}, {} shard(s); check that it runs the same Ember version",
+                    link.index, link.address, config.cluster.num_workers, servers.size(),
+                    link.index, body.num_workers, body.num_servers, body.server_index,
+                    body.num_shards)));
   }
   EMBER_TRY(check_same_settings(link, body, gen));
   const std::string_view server_consistency =
@@ -1538,7 +1573,8 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
                         proto::tensor_bytes(h), msg.bytes.size()));
       return;
     }
-    handle_reply(server, h, msg.bytes);
+    WindowLease window;  // closed after the connection, if it breaks
+    if (auto wrong = handle_reply(server, h, msg.bytes, window)) broke(*wrong);
     return;
   }
   auto decoded = proto::decode(msg.bytes);
@@ -1552,18 +1588,44 @@ void Worker::Impl::on_reply(std::uint32_t server, FollowState& follow, transport
     slot = decoded->header;
     return;
   }
-  handle_reply(server, decoded->header, decoded->payload);
+  WindowLease window;  // closed after the connection, if it breaks
+  if (auto wrong = handle_reply(server, decoded->header, decoded->payload, window)) broke(*wrong);
 }
 
-void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
-                                std::span<const std::byte> payload) {
-  auto req = pending.take(h.request_id);
-  if (!req) return;  // timed out earlier: dropped
+std::optional<std::string> Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
+                                                      std::span<const std::byte> payload,
+                                                      WindowLease& window) {
+  bool elsewhere = false;
+  auto req = pending.take_reply(h.request_id, server, &elsewhere);
+  if (!req) {
+    if (elsewhere) {
+      return fmt::format("its reply {} names request id {}, which this worker sent to another "
+                         "server",
+                         proto::describe(h), h.request_id);
+    }
+    if (h.request_id == 0 || h.request_id >= next_request_id.load(std::memory_order_relaxed)) {
+      return fmt::format("its reply {} names request id {}, which this worker never issued",
+                         proto::describe(h), h.request_id);
+    }
+    // Issued, and failed since (timed out, a sibling chunk's error): its
+    // caller has its answer already.
+    log->debug("server {}: late reply {} to request id {} dropped (the request failed or timed "
+               "out before)",
+               server, proto::describe(h), h.request_id);
+    return std::nullopt;
+  }
   Op& op = *req->op;
-  // The first error finishes the operation; its requests to other servers
-  // (chunks) are then swept out of the table.
-  auto fail = [&](Error e) {
-    if (op.fail(std::move(e))) request_sweep();
+  // A protocol break fails the operation with kProtocol naming it, and is
+  // returned so that the connection closes.
+  auto broken = [&](std::string what) -> std::optional<std::string> {
+    window = std::move(req->window);
+    if (op.fail(Error(ErrorCode::kProtocol,
+                      fmt::format("server {} broke the protocol: {}; check that the server runs "
+                                  "the same Ember version",
+                                  server, what)))) {
+      request_sweep();
+    }
+    return what;
   };
   // A reply answers the request it names: same type, key and chunk
   // (reply_header copies them), and parameters are float32, the one type
@@ -1575,13 +1637,20 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
                           (h.type == proto::MsgType::kPull || h.type == proto::MsgType::kPushPull);
   if (h.type != req->type || h.key != sent.key || h.chunk_index != sent.chunk_index ||
       (parameters && h.dtype != proto::DType::kFloat32)) {
-    fail(Error(ErrorCode::kProtocol,
-                  fmt::format("server {} broke the protocol: its reply {} does not answer the "
-                              "request {} it names (id {}); check that the server runs the same "
-                              "Ember version",
-                              server, proto::describe(h), proto::describe(sent), h.request_id)));
-    return;
+    return broken(fmt::format("its reply {} does not answer the request {} it names (id {})",
+                              proto::describe(h), proto::describe(sent), h.request_id));
   }
+  // The step a reply names becomes the key's step (out of step, init) or the
+  // caller's result; a server's step moves by one per round.
+  if (h.step > kLargestStep) {
+    return broken(fmt::format("its reply {} names step {}, above the largest a run reaches ({})",
+                              proto::describe(h), h.step, kLargestStep));
+  }
+  // The first error finishes the operation; its requests to other servers
+  // (chunks) are then swept out of the table.
+  auto fail = [&](Error e) {
+    if (op.fail(std::move(e))) request_sweep();
+  };
   if (h.status != ErrorCode::kOk) {
     const std::string text = printable(
         std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
@@ -1608,10 +1677,10 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
                               h.step)) {
         request_sweep();
       }
-      return;
+      return std::nullopt;
     }
     fail(Error(h.status, fmt::format("server {}: {}", server, text)));
-    return;
+    return std::nullopt;
   }
   switch (h.type) {
     case proto::MsgType::kPull:
@@ -1621,22 +1690,18 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
         // The server wrote the parameters into req->dest already (the
         // request's placement); the lane's ordering makes them visible here.
         if (!req->in_place || proto::tensor_bytes(h) != req->dest_bytes) {
-          fail(Error(ErrorCode::kProtocol,
-                        fmt::format("server {}: {} says it wrote {} bytes in place; the "
-                                    "request {} ({} bytes)",
-                                    server, proto::describe(h), proto::tensor_bytes(h),
+          return broken(fmt::format("its reply {} says it wrote {} bytes in place; the request "
+                                    "{} ({} bytes)",
+                                    proto::describe(h), proto::tensor_bytes(h),
                                     req->in_place ? "asked for that" : "named no place",
-                                    req->dest_bytes)));
-          return;
+                                    req->dest_bytes));
         }
         op.complete_part(h.step);
-        return;
+        return std::nullopt;
       }
       if (payload.size() != req->dest_bytes) {
-        fail(Error(ErrorCode::kProtocol,
-                      fmt::format("server {}: {} carries {} bytes, expected {}", server,
-                                  proto::describe(h), payload.size(), req->dest_bytes)));
-        return;
+        return broken(fmt::format("its reply {} carries {} bytes, expected {}",
+                                  proto::describe(h), payload.size(), req->dest_bytes));
       }
       {
         std::lock_guard lock(op.mutex);
@@ -1646,11 +1711,11 @@ void Worker::Impl::handle_reply(std::uint32_t server, const proto::Header& h,
         if (!op.done && req->dest_bytes > 0) std::memcpy(req->dest, payload.data(), req->dest_bytes);
       }
       op.complete_part(h.step);
-      return;
+      return std::nullopt;
     }
     default:
       op.complete_part(h.step);
-      return;
+      return std::nullopt;
   }
 }
 

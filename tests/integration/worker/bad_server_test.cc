@@ -50,9 +50,10 @@ std::vector<std::byte> good_join(const Header& request) {
   return reply_to(request, body);
 }
 
-// A pull reply of `n` values `v` (dtype float32 unless told).
+// A pull reply of `n` float32 values `v`.
 std::vector<std::byte> values_reply(Header h, std::uint64_t n, float v) {
   h.num_elements = n;
+  h.dtype = proto::DType::kFloat32;
   const std::vector<float> values(n, v);
   return proto::encode_message(h, {}, std::as_bytes(std::span<const float>(values)));
 }
@@ -212,6 +213,91 @@ TEST(WorkerBadServer, AJoinAnsweredWithAnotherTypeFailsCreate) {
   auto w = server.worker();
   ASSERT_FALSE(w);
   EXPECT_EQ(w.error().code(), ErrorCode::kProtocol) << w.error().to_string();
+}
+
+// A reply that does not answer its request breaks the protocol for the
+// whole connection: the other requests waiting on it fail with kProtocol at
+// once, rather than trusting (or timing out on) the replies that follow.
+TEST(WorkerBadServer, AMismatchedReplyClosesTheConnectionForEveryWaitingCall) {
+  std::optional<Header> first;
+  FakeServer server([&](const proto::MessageView& m) {
+    if (!first) {  // held until the second pull is in
+      first = m.header;
+      return Messages{};
+    }
+    Header h = proto::reply_header(*first);
+    h.key += 1;
+    return Messages{values_reply(h, 8, 7.0f)};
+  });
+  auto w = server.worker(5000ms);
+  ASSERT_TRUE(w) << w.error().to_string();
+  ASSERT_TRUE((*w)->init(kKey, kShape, std::vector<float>(8, 0.5f)).wait());
+  std::vector<float> a(8, -42.0f), b(8, -42.0f);
+  Handle pa = (*w)->pull(kKey, a);
+  Handle pb = (*w)->pull(kKey, b);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ra = pa.wait();
+  auto rb = pb.wait();
+  ASSERT_FALSE(ra);
+  ASSERT_FALSE(rb);
+  EXPECT_EQ(ra.error().code(), ErrorCode::kProtocol) << ra.error().to_string();
+  EXPECT_NE(ra.error().message().find("does not answer the request"), std::string::npos)
+      << ra.error().to_string();
+  EXPECT_EQ(rb.error().code(), ErrorCode::kProtocol) << rb.error().to_string();
+  EXPECT_NE(rb.error().message().find("the connection was closed"), std::string::npos)
+      << rb.error().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 4s);  // not the 5 s request_timeout
+  EXPECT_TRUE(std::all_of(a.begin(), a.end(), [](float v) { return v == -42.0f; }));
+  EXPECT_TRUE(std::all_of(b.begin(), b.end(), [](float v) { return v == -42.0f; }));
+}
+
+// A reply naming a request id this worker never issued, or a step no run
+// reaches (it would become the key's step), is a protocol break.
+TEST(WorkerBadServer, AReplyWithAnUnissuedIdOrAnImpossibleStepIsRefused) {
+  struct Case {
+    const char* name;
+    std::function<void(Header&)> change;
+    const char* needle;
+  };
+  const std::vector<Case> cases{
+      {"unissued id", [](Header& h) { h.request_id = std::uint64_t{1} << 40; },
+       "which this worker never issued"},
+      {"step", [](Header& h) { h.step = std::uint64_t{1} << 60; },
+       "above the largest a run reaches"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    FakeServer server([&](const proto::MessageView& m) {
+      Header h = proto::reply_header(m.header);
+      c.change(h);
+      return Messages{values_reply(h, 8, 7.0f)};
+    });
+    expect_protocol_error(server, c.needle);
+  }
+}
+
+// The join reply's counts are the server's [cluster] table: a server that
+// accepts this worker's join yet answers other counts would map keys
+// differently.
+TEST(WorkerBadServer, AJoinReplyWithOtherCountsFailsCreate) {
+  FakeServer server(
+      [](const proto::MessageView& m) {
+        return Messages{values_reply(proto::reply_header(m.header), 8, 1.0f)};
+      },
+      [](const proto::MessageView& m) {
+        proto::JoinReplyBody rb{};
+        rb.num_workers = 2;  // the worker's config says 1
+        rb.num_servers = 1;
+        rb.consistency = static_cast<std::uint8_t>(proto::Consistency::kAsp);
+        rb.num_shards = 1;
+        const auto body = proto::encode_body(rb);
+        return Messages{reply_to(m.header, body)};
+      });
+  auto w = server.worker();
+  ASSERT_FALSE(w);
+  EXPECT_EQ(w.error().code(), ErrorCode::kProtocol) << w.error().to_string();
+  EXPECT_NE(w.error().message().find("answered num_workers 2"), std::string::npos)
+      << w.error().to_string();
 }
 
 // A message that is not a reply at all: the waiting requests fail with what
