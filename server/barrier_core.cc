@@ -8,12 +8,28 @@
 namespace ember::server {
 
 BarrierCore::BarrierCore(std::uint32_t num_workers, proto::LossPolicy policy,
-                         std::chrono::nanoseconds worker_timeout)
-    : membership_(num_workers, policy, worker_timeout), arrived_(num_workers) {}
+                         std::chrono::nanoseconds worker_timeout,
+                         std::shared_ptr<BarrierNumbers> numbers)
+    : membership_(num_workers, policy, worker_timeout),
+      arrived_(num_workers),
+      answered_(num_workers),
+      numbers_(std::move(numbers)) {
+  EMBER_CHECK_MSG(!numbers_ || numbers_->size() == num_workers, "{} numbers for {} workers",
+                  numbers_->size(), num_workers);
+}
 
 void BarrierCore::on_barrier(const Request& request, TimePoint /*now*/, ReplySink& sink) {
   const std::uint32_t rank = request.header.worker_rank;
   EMBER_CHECK_MSG(rank < arrived_.size(), "rank {} of {}", rank, arrived_.size());
+  if (answered_[rank] && answered_[rank]->number == request.header.step) {
+    // Answered already; the answer went with the connection it was sent on.
+    // Counted in the open generation, it would release the others one
+    // barrier early and leave this rank's next barrier waiting alone.
+    proto::Header reply = proto::reply_header(request.header);
+    reply.step = answered_[rank]->generation;
+    sink.reply(request.to, reply, {});
+    return;
+  }
   arrived_[rank] = request;
   settle(sink);
 }
@@ -33,11 +49,14 @@ void BarrierCore::settle(ReplySink& sink) {
   }
   if (!any) return;
   if (complete) {
-    for (auto& a : arrived_) {
+    for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
+      auto& a = arrived_[r];
       if (!a) continue;
       proto::Header reply = proto::reply_header(a->header);
       reply.step = generation_;
       sink.reply(a->to, reply, {});
+      answered_[r] = Answered{a->header.step, generation_};
+      if (numbers_) (*numbers_)[r].store(a->header.step + 1, std::memory_order_release);
       a.reset();
     }
     ++generation_;

@@ -1,17 +1,24 @@
 // BarrierCore: the job-wide barrier, held by shard 0 of server 0.
 //
-// Every worker sends kBarrier to server 0; the core replies to all of them
-// once every required rank (membership.h: all but the ranks excluded by the
-// shrink policy) has arrived, with the barrier's generation number in the
-// reply's step, then opens the next generation. A rank that arrives twice in
-// one generation (a re-send after a reconnect) replaces its earlier request.
+// Every worker sends kBarrier to server 0, numbered in the request's step
+// (Worker::barrier counts them per process, from the number the join reply
+// gives it); the core replies to all of them once every required rank
+// (membership.h: all but the ranks excluded by the shrink policy) has
+// arrived, with the barrier's generation number in the reply's step, then
+// opens the next generation. A rank that arrives twice in one generation (a
+// re-send after a reconnect, before the answer) replaces its earlier request.
+// A barrier whose number is the rank's last answered one (a re-send whose
+// answer was lost with its connection) is answered again at once with that
+// generation, and not counted in the open one.
 // If a missing rank is failed (policy fail, or wait past worker_timeout), the
 // waiting ranks get ErrorCode::kWorkerLost and the generation stays open.
 //
 // Pure and thread-free like ShardCore; one thread owns it.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -20,10 +27,19 @@
 
 namespace ember::server {
 
+// Per rank, the number its next barrier carries: one past its last answered
+// one (0 before any). Written by the core's thread, read by the join handler
+// on I/O threads (the join reply of server 0 gives it, so that a restarted
+// worker goes on numbering where its predecessor stopped).
+using BarrierNumbers = std::vector<std::atomic<std::uint64_t>>;
+
 class BarrierCore {
  public:
+  // `numbers` (may be null): where the next numbers are published; it must
+  // hold num_workers entries.
   BarrierCore(std::uint32_t num_workers, proto::LossPolicy policy,
-              std::chrono::nanoseconds worker_timeout);
+              std::chrono::nanoseconds worker_timeout,
+              std::shared_ptr<BarrierNumbers> numbers = nullptr);
 
   // pre: request.header.worker_rank < num_workers.
   void on_barrier(const Request& request, TimePoint now, ReplySink& sink);
@@ -40,8 +56,15 @@ class BarrierCore {
  private:
   void settle(ReplySink& sink);
 
+  struct Answered {
+    std::uint64_t number = 0;      // the request's step
+    std::uint64_t generation = 0;  // the reply's step
+  };
+
   Membership membership_;
   std::vector<std::optional<Request>> arrived_;
+  std::vector<std::optional<Answered>> answered_;  // per rank: its last answered barrier
+  std::shared_ptr<BarrierNumbers> numbers_;
   std::uint64_t generation_ = 0;
 };
 

@@ -41,7 +41,7 @@ Shard::Shard(ShardOptions options, Optimizer optimizer, ShardHooks hooks,
       ring_(std::move(ring)) {
   if (options_.has_barrier) {
     barrier_.emplace(options_.core.num_workers, options_.core.loss_policy,
-                     options_.core.worker_timeout);
+                     options_.core.worker_timeout, options_.barrier_numbers);
   }
 }
 

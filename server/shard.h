@@ -84,6 +84,9 @@ struct ShardOptions {
   std::uint32_t index = 0;
   CoreOptions core;
   bool has_barrier = false;  // shard 0 of server 0
+  // With has_barrier (may be null): where the barrier publishes each rank's
+  // next barrier number (BarrierCore), num_workers entries.
+  std::shared_ptr<BarrierNumbers> barrier_numbers;
   std::optional<std::uint32_t> cpu;  // pin the thread here
   std::size_t ring_slots = 1024;     // per producer lane
   std::size_t max_producers = 64;

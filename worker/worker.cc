@@ -430,7 +430,11 @@ struct Worker::Impl {
   std::mutex settings_mutex;  // guards every ServerLink::settings
   PendingTable pending;
   std::atomic<std::uint64_t> next_request_id{1};
+  // The number the next barrier() carries (server 0's BarrierCore tells a
+  // re-sent barrier from the next one by it): seeded from server 0's first
+  // join reply, so a restarted worker goes on where its predecessor stopped.
   std::atomic<std::uint64_t> barrier_count{0};
+  std::atomic<bool> barrier_seeded{false};
 
   mutable std::shared_mutex keys_mutex;
   std::unordered_map<Key, std::shared_ptr<KeyState>> keys;
@@ -1065,6 +1069,9 @@ Status Worker::Impl::join(ServerLink& link, std::uint64_t gen) {
                     body.num_shards)));
   }
   EMBER_TRY(check_same_settings(link, body, gen));
+  if (link.index == 0 && !barrier_seeded.exchange(true)) {
+    barrier_count.store(*r, std::memory_order_relaxed);  // before any barrier(): create() joins
+  }
   const std::string_view server_consistency =
       proto::consistency_name(static_cast<proto::Consistency>(body.consistency));
   log->debug("joined server {} ({}, {} shard(s))", link.index, server_consistency, body.num_shards);

@@ -56,7 +56,7 @@ enum class MsgType : std::uint8_t {
   kPush = 3,             // gradient of step `step`; reply is an ack
   kPull = 4,             // parameters for step >= `step`; reply carries them
   kPushPull = 5,         // push of step `step`, reply carries parameters of step+1
-  kBarrier = 6,          // reply when every worker has entered barrier number `step`
+  kBarrier = 6,          // reply when every worker has entered its next barrier
   kSetLearningRate = 7,  // payload: one float64; reply after every shard applied it
   kCheckpoint = 8,       // write a checkpoint now; reply (step = sequence) when durable
 };
@@ -114,7 +114,10 @@ struct Header {
   std::uint64_t key = 0;
   // Push: the worker's step. Pull: the least step wanted. Reply to init,
   // pull, push_pull: the step the worker should compute next. Barrier: the
-  // barrier number. Checkpoint reply: the checkpoint sequence number.
+  // worker's barrier number (request; a re-send of an answered one is
+  // answered again) and the generation (reply). Join reply of server 0: the
+  // number the rank's next barrier carries. Checkpoint reply: the
+  // checkpoint sequence number.
   std::uint64_t step = 0;
   std::uint32_t chunk_index = 0;  // < num_chunks
   std::uint32_t num_chunks = 1;   // >= 1 for keyed messages

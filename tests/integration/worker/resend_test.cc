@@ -246,6 +246,70 @@ TEST(WorkerResend, ResendToAServerThatKeptItsStateIsDeduplicated) {
                                                     fmt::join(expect, ","));
 }
 
+// A barrier whose answer is lost with its connection is re-sent; the
+// server answers it again rather than counting it in the next barrier,
+// which would release worker 0's next barrier before worker 1 calls it.
+TEST(WorkerResend, ABarrierReSentAfterItsAnswerWasLostIsNotCountedInTheNext) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.worker_timeout = "20s";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto proxy = proxy_to(server);
+  auto w0 = make_worker(spec, server.address(), 0);
+  auto w1 = make_worker(spec, fmt::format("127.0.0.1:{}", proxy->port()), 1,
+                        {{"worker.connect_retries", "20"}});
+  ASSERT_TRUE(w0 && w1);
+  Handle b1 = w1->barrier();
+  proxy->hold_replies();
+  auto r0 = w0->barrier().wait();  // both arrived: answered, worker 1's answer held
+  ASSERT_TRUE(r0) << r0.error().to_string();
+  EXPECT_EQ(*r0, 0u);
+  proxy->drop_all();  // worker 1 re-sends its barrier on a new connection
+  auto r1 = b1.wait();
+  ASSERT_TRUE(r1) << r1.error().to_string();
+  EXPECT_EQ(*r1, 0u);
+  Handle next0 = w0->barrier();
+  EXPECT_FALSE(next0.wait_for(500ms)) << "worker 0's second barrier returned alone";
+  EXPECT_FALSE(next0.ready());
+  auto n1 = w1->barrier().wait();
+  ASSERT_TRUE(n1) << n1.error().to_string();
+  EXPECT_EQ(*n1, 1u);
+  auto n0 = next0.wait();
+  ASSERT_TRUE(n0) << n0.error().to_string();
+  EXPECT_EQ(*n0, 1u);
+}
+
+// A worker restarted with the same rank numbers its barriers on from where
+// its predecessor stopped (server 0's join reply): its first barrier is the
+// job's next one, not a re-send of the predecessor's answered one.
+TEST(WorkerResend, ARestartedWorkersFirstBarrierWaitsForTheOthers) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.worker_timeout = "20s";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w0 = make_worker(spec, server.address(), 0);
+  auto w1 = make_worker(spec, server.address(), 1);
+  ASSERT_TRUE(w0 && w1);
+  Handle b1 = w1->barrier();
+  ASSERT_TRUE(w0->barrier().wait());
+  ASSERT_TRUE(b1.wait());
+  w1.reset();
+  w1 = make_worker(spec, server.address(), 1);  // the restarted rank 1
+  ASSERT_TRUE(w1);
+  Handle again = w1->barrier();
+  EXPECT_FALSE(again.wait_for(500ms)) << "the restarted worker's barrier returned alone";
+  auto r0 = w0->barrier().wait();
+  ASSERT_TRUE(r0) << r0.error().to_string();
+  EXPECT_EQ(*r0, 1u);
+  auto r1 = again.wait();
+  ASSERT_TRUE(r1) << r1.error().to_string();
+  EXPECT_EQ(*r1, 1u);
+}
+
 // Worker 0 of a two-worker job pushes step 0 and pulls step 1, which waits
 // for worker 1's push of step 0 (worker 1 never comes) when the server is
 // killed. (A pull of step 1 without its own push of step 0 would wait on

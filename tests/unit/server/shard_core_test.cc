@@ -958,6 +958,38 @@ TEST(BarrierCore, ReleasesEveryoneWhenAllArrive) {
   EXPECT_EQ(b.generation(), 1u);
 }
 
+// A barrier answered on a connection that then closed is re-sent by the
+// worker with the same number: answered again with its generation, not
+// counted in the next one (which would release the others one barrier early
+// and leave this rank's next barrier alone). The numbers published for the
+// join reply are one past each rank's last answered one.
+TEST(BarrierCore, AReSentAnsweredBarrierIsAnsweredAgainNotCountedInTheNext) {
+  auto numbers = std::make_shared<BarrierNumbers>(2);
+  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1), numbers);
+  RecordingSink sink;
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);
+  EXPECT_EQ((*numbers)[0].load(), 1u);
+  EXPECT_EQ((*numbers)[1].load(), 1u);
+  sink.sent.clear();
+  // Rank 1's answer was lost: its re-send (number 0) on a new connection.
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0, 555), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 1u);
+  EXPECT_EQ(sink.sent[0].to.connection_id, 555u);
+  EXPECT_EQ(sink.sent[0].header.step, 0u);  // generation 0, again
+  EXPECT_EQ(b.num_waiting(), 0u);
+  sink.sent.clear();
+  // Rank 0's next barrier waits for rank 1's next one.
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 1, 0), kT0, sink);
+  EXPECT_TRUE(sink.sent.empty());
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 1, 0), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);
+  for (auto& s : sink.sent) EXPECT_EQ(s.header.step, 1u);
+  EXPECT_EQ(b.generation(), 2u);
+  EXPECT_EQ((*numbers)[1].load(), 2u);
+}
+
 TEST(BarrierCore, ShrinkReleasesWithoutLostRank) {
   BarrierCore b(2, proto::LossPolicy::kShrink, std::chrono::seconds(1));
   RecordingSink sink;
