@@ -225,6 +225,11 @@ struct Server::Impl final : ReplySink {
   std::unordered_map<std::uint64_t, std::shared_ptr<ConnState>> by_id;
   std::vector<std::uint32_t> rank_connections;  // guarded by conns_mutex
   std::vector<std::uint8_t> rank_lost;          // guarded by conns_mutex
+  // Per rank: the number of its last loss or return (ShardItem::
+  // membership_seq), counted in the order they are decided here: the
+  // shards then apply a loss and a return posted from two I/O threads in
+  // that order, whatever order their lanes deliver them in.
+  std::vector<std::uint64_t> rank_events;       // guarded by conns_mutex
   std::condition_variable_any conns_cv;
   std::atomic<std::uint64_t> next_conn_id{1};
   // Counters of closed connections (refused joins included), folded into
@@ -301,8 +306,9 @@ struct Server::Impl final : ReplySink {
   void refuse_join(ConnState& c, std::uint32_t channel, const proto::Header& h, Error why);
   void handle_set_lr(ConnState& c, std::uint32_t channel, const proto::MessageView& m);
   void handle_checkpoint(ConnState& c, std::uint32_t channel, const proto::Header& h);
+  // `membership_seq`: kWorkerLost/kWorkerBack's event number (ShardItem).
   void broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id,
-                 Departure departure = Departure::kLost);
+                 Departure departure = Departure::kLost, std::uint64_t membership_seq = 0);
 
   // ---- replies (shard threads, I/O threads, checkpoint thread) ----
 
@@ -703,6 +709,7 @@ Status Server::Impl::init(const config::Config& cfg) {
   }
   rank_connections.assign(config.cluster.num_workers, 0);
   rank_lost.assign(config.cluster.num_workers, 0);
+  rank_events.assign(config.cluster.num_workers, 0);
   make_metrics();
   EMBER_TRY(restore_checkpoint());
   for (auto& s : shards) s->start();
@@ -780,12 +787,13 @@ Status Server::Impl::init(const config::Config& cfg) {
 // transport callbacks
 
 void Server::Impl::broadcast(ShardItem::Kind kind, std::uint32_t rank, std::uint64_t conn_id,
-                             Departure departure) {
+                             Departure departure, std::uint64_t membership_seq) {
   for (auto& s : shards) {
     ShardItem item;
     item.kind = kind;
     item.rank = rank;
     item.departure = departure;
+    item.membership_seq = membership_seq;
     item.request.to.connection_id = conn_id;
     item.received = Clock::now();
     s->post(std::move(item));
@@ -877,18 +885,18 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
 }
 
 void Server::Impl::rejoin(ConnState& c) {
-  bool back = false;
+  std::uint64_t seq = 0;
   {
     std::lock_guard lock(conns_mutex);
     if (!c.back_pending.exchange(false)) return;
     if (c.member && rank_lost[c.rank]) {
       rank_lost[c.rank] = 0;
-      back = true;
+      seq = ++rank_events[c.rank];
     }
   }
-  if (!back) return;
+  if (seq == 0) return;
   log->info("worker {} ({}) is back (rejoining)", c.rank, c.peer);
-  broadcast(ShardItem::Kind::kWorkerBack, c.rank, 0);
+  broadcast(ShardItem::Kind::kWorkerBack, c.rank, 0, Departure::kLost, seq);
 }
 
 void Server::Impl::refuse_join(ConnState& c, std::uint32_t channel, const proto::Header& h,
@@ -914,7 +922,7 @@ void Server::Impl::refuse_join(ConnState& c, std::uint32_t channel, const proto:
 
 void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
   std::shared_ptr<ConnState> state;
-  bool lost = false;
+  std::uint64_t lost_seq = 0;  // the rank's loss event, when its last connection went
   {
     std::unique_lock lock(conns_mutex);
     auto it = by_ptr.find(&conn);
@@ -940,7 +948,7 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
     }
     if (--rank_connections[state->rank] == 0) {
       rank_lost[state->rank] = 1;
-      lost = true;
+      lost_seq = ++rank_events[state->rank];
     }
   }
   conns_cv.notify_all();
@@ -956,13 +964,13 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
               pointed ? "" : "; see docs/troubleshooting.md#worker-loss");
   }
   broadcast(ShardItem::Kind::kDropConnection, state->rank, state->id);
-  if (lost) {
+  if (lost_seq != 0) {
     // An orderly close (kClosed: the worker's goodbye came) that this server
     // did not start: the worker closed it. Errors (no goodbye, reset,
     // heartbeat timeout) and this server's own closes are losses.
     const bool by_worker = reason.code() == ErrorCode::kClosed && !state->closed_here.load();
     broadcast(ShardItem::Kind::kWorkerLost, state->rank, state->id,
-              by_worker ? Departure::kClosed : Departure::kLost);
+              by_worker ? Departure::kClosed : Departure::kLost, lost_seq);
   }
 }
 

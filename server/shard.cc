@@ -43,6 +43,7 @@ Shard::Shard(ShardOptions options, Optimizer optimizer, ShardHooks hooks,
     barrier_.emplace(options_.core.num_workers, options_.core.loss_policy,
                      options_.core.worker_timeout, options_.barrier_numbers);
   }
+  membership_seq_.assign(options_.core.num_workers, 0);
 }
 
 Shard::~Shard() {
@@ -61,6 +62,14 @@ void Shard::start() {
     t_shard_thread = true;
     run();
   });
+}
+
+bool Shard::newest_membership_event(const ShardItem& item) {
+  if (item.membership_seq == 0 || item.rank >= membership_seq_.size()) return true;
+  std::uint64_t& newest = membership_seq_[item.rank];
+  if (item.membership_seq <= newest) return false;  // overtaken by a newer event
+  newest = item.membership_seq;
+  return true;
 }
 
 void Shard::post(ShardItem&& item) {
@@ -214,10 +223,12 @@ void Shard::handle(ShardItem& item) {
       break;
     }
     case ShardItem::Kind::kWorkerLost:
+      if (!newest_membership_event(item)) break;
       core_.on_worker_lost(item.rank, now, sink, item.departure);
       if (barrier_) barrier_->on_worker_lost(item.rank, now, sink, item.departure);
       break;
     case ShardItem::Kind::kWorkerBack:
+      if (!newest_membership_event(item)) break;
       core_.on_worker_back(item.rank, now, sink);
       if (barrier_) barrier_->on_worker_back(item.rank);
       break;

@@ -71,6 +71,12 @@ struct ShardItem {
   Payload payload;
   double value = 0.0;
   Departure departure = Departure::kLost;  // kWorkerLost
+  // kWorkerLost/kWorkerBack: the rank's membership event number (the server
+  // counts them per rank, in the order it decided them). Posted from
+  // different I/O threads they may reach the shard in another order; the
+  // shard skips an event older than the last it applied for the rank. 0:
+  // not numbered (always applied).
+  std::uint64_t membership_seq = 0;
   std::shared_ptr<Countdown> countdown;
   std::shared_ptr<SnapshotCollector> collector;
   std::vector<std::byte> raw;
@@ -183,6 +189,9 @@ class Shard {
         std::unique_ptr<ring::BlockingMpscRing<ShardItem>> ring);
   void run();
   void handle(ShardItem& item);
+  // Whether a kWorkerLost/kWorkerBack item is newer than the rank's last
+  // applied one (and records it).
+  bool newest_membership_event(const ShardItem& item);
   // Handles the ring's backlog and then the overflow list; returns the
   // number of overflow items handled.
   std::size_t drain_overflow();
@@ -197,6 +206,8 @@ class Shard {
   ShardHooks hooks_;
   ShardCore core_;
   std::optional<BarrierCore> barrier_;
+  // Per rank: the newest membership_seq applied (ShardItem).
+  std::vector<std::uint64_t> membership_seq_;
   std::unique_ptr<ring::BlockingMpscRing<ShardItem>> ring_;
   // The consumer lock: held while items are taken from the ring and the
   // overflow list and handled, by the shard thread or by try_handle_inline.

@@ -94,6 +94,48 @@ TEST(Shard, StopHandlesEverythingQueuedFirst) {
   EXPECT_EQ((*shard)->core().stats().pushes_applied, 50u);
 }
 
+// A rank's loss and its return are posted from two I/O threads (on_closed,
+// rejoin), on two lanes with no order between them. Taken in the other
+// order, the return then the loss, the rank stayed lost while connected: under
+// "fail", the others' rounds failed. The server numbers the events; an
+// older one is skipped.
+TEST(Shard, AnOlderLossDeliveredAfterTheReturnIsSkipped) {
+  CollectingSink sink;
+  ShardOptions o;
+  o.core.num_workers = 2;
+  o.core.consistency = proto::Consistency::kBsp;
+  o.core.loss_policy = proto::LossPolicy::kFail;
+  config::OptimizerConfig oc;
+  auto shard = Shard::create(o, *Optimizer::create(oc), ShardHooks{&sink, {}, {}, {}, {}});
+  ASSERT_TRUE(shard) << shard.error().to_string();
+  auto event = [](ShardItem::Kind kind, std::uint64_t seq) {
+    ShardItem item;
+    item.kind = kind;
+    item.rank = 1;
+    item.membership_seq = seq;
+    return item;
+  };
+  (*shard)->post(event(ShardItem::Kind::kWorkerBack, 2));  // delivered first
+  (*shard)->post(event(ShardItem::Kind::kWorkerLost, 1));
+  auto from = [](std::uint32_t rank, ShardItem item) {
+    item.request.header.worker_rank = rank;
+    item.request.to.connection_id = rank + 1;
+    return item;
+  };
+  (*shard)->post(from(0, request(proto::MsgType::kInit, 0, {1, 2})));
+  (*shard)->post(from(0, request(proto::MsgType::kPush, 0, {1, 1})));
+  ShardItem pull = from(0, request(proto::MsgType::kPull, 1, {}));
+  pull.request.header.num_elements = 2;
+  (*shard)->post(std::move(pull));  // waits for rank 1's push
+  (*shard)->post(from(1, request(proto::MsgType::kPush, 0, {1, 1})));
+  (*shard)->start();
+  ASSERT_TRUE(sink.wait_for_count(4));
+  (*shard)->stop();
+  (*shard)->join();
+  EXPECT_TRUE(sink.errors.empty()) << sink.errors.front();
+  EXPECT_EQ(sink.steps.size(), 4u);
+}
+
 // try_handle_inline, retried while the shard thread still holds its lock
 // after its last reply (a moment); false only after 10 s.
 bool handle_inline_once_free(Shard& shard, ShardItem& item) {
