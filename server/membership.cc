@@ -66,6 +66,16 @@ std::uint32_t Membership::num_required() const noexcept {
 
 Error Membership::failure_error(std::uint32_t rank, std::string_view what) const {
   const bool closed = rank < states_.size() && states_[rank].how == Departure::kClosed;
+  if (policy_ == proto::LossPolicy::kShrink) {
+    // Only what the rank alone provides (the initial values of rank 0).
+    return Error(ErrorCode::kWorkerLost,
+                 fmt::format("{} needs worker {}, which {} and is left out (on_worker_loss = "
+                             "\"shrink\"); restart it with the same rank to continue",
+                             what, rank,
+                             closed ? "closed its connection in order (it finished, or dropped "
+                                      "the connection to reconnect)"
+                                    : "was lost"));
+  }
   if (closed && policy_ == proto::LossPolicy::kWait) {
     return Error(ErrorCode::kWorkerLost,
                  fmt::format("{} needs worker {}, which closed its connection in order (it "

@@ -72,8 +72,10 @@ class Membership {
   // Number of ranks not excluded.
   std::uint32_t num_required() const noexcept;
 
-  // The error handed to a request blocked by failed rank `rank`: kWorkerLost,
-  // naming `what`, the rank, how it left (Departure) and the policy.
+  // The error handed to a request blocked by failed rank `rank` (or, under
+  // shrink, by an excluded rank it needs alone: rank 0 for an init):
+  // kWorkerLost, naming `what`, the rank, how it left (Departure) and the
+  // policy.
   Error failure_error(std::uint32_t rank, std::string_view what) const;
 
  private:

@@ -170,7 +170,7 @@ void ShardCore::on_init(const Request& request, std::span<const std::uint64_t> s
     return;
   }
   if (h.worker_rank != 0) {
-    if (membership_.failed(0)) {
+    if (rank0_gone()) {
       sink.error(request.to, h, membership_.failure_error(0, "init of " + entry_name(id)));
       return;
     }
@@ -231,12 +231,19 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
     return PushOutcome::kRecorded;
   }
   if (t < e.version) {
-    sink.error(request.to, h,
+    // The round closed without this rank (shrink left it out meanwhile).
+    // The reply's step is where it continues: the worker moves the key's
+    // step there (never back).
+    proto::Header reply_to = h;
+    reply_to.step = e.version;
+    sink.error(request.to, reply_to,
                Error(ErrorCode::kStale,
                      fmt::format("push of step {} for {} from rank {} arrived after that round "
-                                 "closed (now at step {}); pull to catch up; see "
+                                 "closed without it (now at step {}); its gradient is not "
+                                 "applied; Worker::step(key) now returns at least {}: pull to "
+                                 "catch up and push from there; see "
                                  "docs/troubleshooting.md#reordered-messages",
-                                 t, entry_name(e.id), rank, e.version)));
+                                 t, entry_name(e.id), rank, e.version, e.version)));
     return PushOutcome::kRefused;
   }
   if (t > expected_step(e, rank)) {
@@ -521,7 +528,7 @@ void ShardCore::serve_all(ReplySink& sink) {
     serve_parked(*e, sink);
     detach_blocked_rounds(*e);
   }
-  if (membership_.failed(0)) {
+  if (rank0_gone()) {
     for (auto& [id, pending] : pending_inits_) {
       for (const Parked& p : pending.waiting) {
         sink.error(p.request.to, p.request.header,
@@ -540,7 +547,24 @@ void ShardCore::on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sin
 
 void ShardCore::on_worker_back(std::uint32_t rank, TimePoint /*now*/, ReplySink& /*sink*/) {
   if (rank >= options_.num_workers) return;
-  membership_.back(rank);
+  const bool was_left_out = membership_.excluded(rank);
+  if (!membership_.back(rank) || !was_left_out ||
+      options_.consistency != proto::Consistency::kSsp) {
+    return;
+  }
+  // SSP, shrink: the others went on without it. Back at its old clock, it
+  // would hold every pull of theirs until it had replayed the steps it
+  // missed (ready() counts it again). It resumes with the slowest of the
+  // others instead (init and pull replies say where): its steps between are
+  // forfeited, as shrink drops a lost rank's rounds.
+  for (auto& [id, e] : entries_) {
+    std::optional<std::uint64_t> slowest;
+    for (std::uint32_t r = 0; r < options_.num_workers; ++r) {
+      if (r == rank || membership_.excluded(r)) continue;
+      slowest = std::min(slowest.value_or(e->clocks[r]), e->clocks[r]);
+    }
+    if (slowest && e->clocks[rank] < *slowest) e->clocks[rank] = *slowest;
+  }
 }
 
 void ShardCore::on_tick(TimePoint now, ReplySink& sink) {

@@ -201,7 +201,8 @@ class ShardCore {
   // (rank 0) or is empty (kFlagNoData). Replies: ok with the resume step, at
   // once or when rank 0's init arrives. Errors: kShapeMismatch (existing
   // entry differs), kInvalidArgument (dtype other than float32, rank 0 init
-  // without values), kWorkerLost (waiting for a failed rank 0).
+  // without values), kWorkerLost (waiting for a rank 0 failed or, under
+  // shrink, left out).
   void on_init(const Request& request, std::span<const std::uint64_t> shape, Payload values,
                TimePoint now, ReplySink& sink);
 
@@ -220,7 +221,10 @@ class ShardCore {
   // reply). Errors: those of on_push and on_pull.
   void on_push_pull(const Request& request, Payload gradient, TimePoint now, ReplySink& sink);
 
-  // Worker events and time. May complete or fail waiting requests.
+  // Worker events and time. May complete or fail waiting requests. Under
+  // ssp, a rank back after shrink left it out resumes at the slowest other
+  // rank's clock per entry (what init and pull replies then say); its pushes
+  // of the steps between count as duplicates (acknowledged, not applied).
   void on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink,
                       Departure how = Departure::kLost);
   void on_worker_back(std::uint32_t rank, TimePoint now, ReplySink& sink);
@@ -353,6 +357,10 @@ class ShardCore {
   // Whether a pull for `want` from `rank` can only be served by pushes of
   // that rank which, given the request order, were never sent.
   bool waits_on_itself(const Entry& e, std::uint32_t rank, std::uint64_t want) const;
+  // Rank 0, which gives every key's initial values, cannot give them now:
+  // failed, or left out (shrink). Inits of other ranks then fail with
+  // kWorkerLost rather than wait for nobody.
+  bool rank0_gone() const noexcept { return membership_.failed(0) || membership_.excluded(0); }
   // Replies kOutOfStep (reply step: expected_step) to `request`, asking for `asked`.
   void refuse_out_of_step(Entry& e, const Request& request, std::uint64_t asked, ReplySink& sink);
 

@@ -23,7 +23,7 @@ Result<std::uint64_t> Op::result_locked() const {
 }
 
 void Op::finish_locked(std::unique_lock<std::mutex>& lock) {
-  if (out_of_step_at && on_out_of_step) on_out_of_step(*out_of_step_at);
+  if (out_of_step_at && on_out_of_step) on_out_of_step(*out_of_step_at, error->code());
   if (before_done) before_done(result_locked());
   done = true;
   // release: a waiter that sees the flag and then takes `mutex` reads the

@@ -96,8 +96,9 @@ struct Op {
   // operation. Thread-safe.
   bool complete_part(std::optional<std::uint64_t> part_step);
   bool fail(Error error);
-  // fail() with a kOutOfStep error from a server; runs on_out_of_step with
-  // the step the server expects (the error reply's step). Thread-safe.
+  // fail() with a kOutOfStep or kStale error from a server; runs
+  // on_out_of_step with the step the server expects (the error reply's
+  // step). Thread-safe.
   bool fail_out_of_step(Error error, std::uint64_t server_step);
   // Adds `n` parts before any can complete (used while issuing).
   void add_parts(std::uint32_t n);
@@ -164,9 +165,10 @@ struct Op {
   // block or touch this Op.
   std::function<void(const Result<std::uint64_t>&)> before_done;
   // Runs under `mutex` when fail_out_of_step finishes the operation, with
-  // the server's step, before before_done (the worker moves the key's step
-  // there). Must not block or touch this Op.
-  std::function<void(std::uint64_t server_step)> on_out_of_step;
+  // the server's step and the error's code (kOutOfStep or kStale), before
+  // before_done (the worker moves the key's step there). Must not block or
+  // touch this Op.
+  std::function<void(std::uint64_t server_step, ErrorCode code)> on_out_of_step;
 
  private:
   void finish_locked(std::unique_lock<std::mutex>& lock);

@@ -1661,7 +1661,7 @@ std::optional<std::string> Worker::Impl::handle_reply(std::uint32_t server, cons
   if (h.status != ErrorCode::kOk) {
     const std::string text = printable(
         std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
-    if (h.status == ErrorCode::kOutOfStep) {
+    if (h.status == ErrorCode::kOutOfStep || h.status == ErrorCode::kStale) {
       // The reply's step is the step the server expects; the operation's
       // on_out_of_step moves the key's step there. Named like a timeout.
       const std::string what = op.what();
@@ -2208,7 +2208,17 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
   // on their way (or queued), and resetting the step under them would make
   // the next push reuse a step the server then applies (and drops) as a
   // duplicate.
-  op->on_out_of_step = [k, sends](std::uint64_t server_step) {
+  op->on_out_of_step = [k, sends](std::uint64_t server_step, ErrorCode code) {
+    if (code == ErrorCode::kStale) {
+      // The push's round closed without this worker (shrink): the steps
+      // before the server's are over. Up to there, never back: later pushes
+      // may be on their way already.
+      std::uint64_t cur = k->next_step.load(std::memory_order_acquire);
+      while (cur < server_step &&
+             !k->next_step.compare_exchange_weak(cur, server_step, std::memory_order_acq_rel)) {
+      }
+      return;
+    }
     if (!sends && k->pushes_unanswered.load(std::memory_order_acquire) != 0) return;
     k->next_step.store(server_step, std::memory_order_release);
   };
@@ -2216,9 +2226,13 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
     const bool counted_step = !step;
     op->before_done = [k, s, counted_step](const Result<std::uint64_t>& r) {
       k->pushes_unanswered.fetch_sub(1, std::memory_order_acq_rel);
-      // A push refused out of step does not give its step back: the counter
-      // was reset to the server's step. Nor does a push with an explicit step.
-      if (!counted_step || r || r.error().code() == ErrorCode::kOutOfStep) return;
+      // A push refused out of step or as stale does not give its step back:
+      // the counter was moved to the server's step. Nor does a push with an
+      // explicit step.
+      if (!counted_step || r || r.error().code() == ErrorCode::kOutOfStep ||
+          r.error().code() == ErrorCode::kStale) {
+        return;
+      }
       // A failed push gives its step back (when no later one was issued), so
       // the caller's retry pushes the same step: the server applies a step
       // once per (worker, key, step), so a retry of a push it did apply is

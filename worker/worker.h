@@ -252,7 +252,9 @@ class Worker {
   // or unknown on the server), kInvalidArgument (gradient.size() != elements; or, from the
   // server, a step more than 64 steps past the key's open round: pull
   // first), kShapeMismatch,
-  // kStale (bsp: the step's round is over), kOutOfStep (bsp: the server is
+  // kStale (bsp: the step's round closed without this worker, e.g. left
+  // out by on_worker_loss = "shrink" while it was lost; step(key) moves up
+  // to the server's step: pull, then push from there), kOutOfStep (bsp: the server is
   // at an earlier step for this worker, e.g. restored from an older
   // checkpoint; step(key) is now the server's step, see "Out of step"),
   // kClosed (connection lost and not re-sent, or re-sending gave up; see

@@ -310,6 +310,50 @@ TEST(WorkerResend, ARestartedWorkersFirstBarrierWaitsForTheOthers) {
   EXPECT_EQ(*r1, 1u);
 }
 
+// on_worker_loss = "shrink": worker 1's connection is cut, the server leaves
+// it out, and worker 0 goes on alone. Worker 1's next push is stale; its
+// step(key) then moves to the server's step, so after a pull it pushes into
+// the open round (before, every push of it came back stale, forever).
+TEST(WorkerResend, UnderShrinkAWorkerLeftOutCatchesUpAfterAStalePush) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.loss_policy = "shrink";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto proxy = proxy_to(server);
+  auto w0 = make_worker(spec, server.address(), 0);
+  auto w1 = make_worker(spec, fmt::format("127.0.0.1:{}", proxy->port()), 1,
+                        {{"worker.connect_retries", "20"}});
+  ASSERT_TRUE(w0 && w1);
+  ASSERT_NO_FATAL_FAILURE(init_both(*w0, *w1));
+  std::vector<float> p0(kElements), p1(kElements);
+  ASSERT_NO_FATAL_FAILURE(step_both(*w0, *w1, 0, p0, p1));
+  proxy->drop_all();
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server.log().find("worker 1 (") == std::string::npos ||
+         server.log().find(" lost: ") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << server.log();
+    std::this_thread::sleep_for(20ms);
+  }
+  for (int t = 1; t <= 2; ++t) {  // worker 0 alone
+    const std::vector<float> g = gradient(0, t);
+    auto r = w0->push_pull(kKey, g, p0).wait();
+    ASSERT_TRUE(r) << "step " << t << ": " << r.error().to_string();
+  }
+  const std::vector<float> g1 = gradient(1, 1);
+  auto stale = w1->push_pull(kKey, g1, p1).wait();
+  ASSERT_FALSE(stale);
+  EXPECT_EQ(stale.error().code(), ErrorCode::kStale) << stale.error().to_string();
+  EXPECT_EQ(w1->step(kKey), 3u);
+  ASSERT_TRUE(w1->pull(kKey, p1).wait());
+  EXPECT_TRUE(same_bits(p0, p1));
+  ASSERT_NO_FATAL_FAILURE(step_both(*w0, *w1, 3, p0, p1));
+  EXPECT_EQ(w0->step(kKey), 4u);
+  EXPECT_EQ(w1->step(kKey), 4u);
+  EXPECT_TRUE(same_bits(p0, p1));
+}
+
 // Worker 0 of a two-worker job pushes step 0 and pulls step 1, which waits
 // for worker 1's push of step 0 (worker 1 never comes) when the server is
 // killed. (A pull of step 1 without its own push of step 0 would wait on

@@ -435,6 +435,79 @@ TEST_F(ShardCoreTest, ShrinkPolicyCompletesWithRemainingWorkers) {
   EXPECT_EQ(core->stats().rounds_completed, 2u);
 }
 
+// Under shrink, a lost rank 0 is left out, not failed: inits of other ranks
+// waited for it with nothing to end the wait (a timeout that named no cause).
+TEST_F(ShardCoreTest, ShrinkWithoutRankZeroFailsOtherRanksInitsWithWorkerLost) {
+  make(opts(3, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  const std::uint64_t shape[] = {2};
+  auto parked = req(MsgType::kInit, 1, 5, 0, 2);
+  parked.header.flags = proto::kFlagNoData;
+  core->on_init(parked, shape, Payload{}, kT0, sink);
+  EXPECT_TRUE(sink.take().empty());
+  core->on_worker_lost(0, kT0, sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+  EXPECT_NE(s[0].error.message().find("on_worker_loss = \"shrink\""), std::string::npos)
+      << s[0].error.message();
+  auto later = req(MsgType::kInit, 2, 6, 0, 2);
+  later.header.flags = proto::kFlagNoData;
+  core->on_init(later, shape, Payload{}, kT0, sink);
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
+  EXPECT_EQ(core->stats().parked_requests, 0u);
+}
+
+// Under shrink a left-out rank's push for a round that closed without it is
+// refused as stale, and the reply's step says where the key is now, so the
+// worker can move on (it pushed stale forever before).
+TEST_F(ShardCoreTest, AStalePushIsToldTheServersStep) {
+  make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  init(1, {0});
+  core->on_worker_lost(1, kT0, sink);
+  for (std::uint64_t t = 0; t < 3; ++t) push(0, 1, t, {1});
+  sink.take();
+  core->on_worker_back(1, kT0, sink);
+  push(1, 1, 0, {1});
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kStale);
+  EXPECT_EQ(s[0].header.step, 3u);
+  push(1, 1, 3, {1});  // from the server's step: joins the open round
+  push(0, 1, 3, {1});
+  EXPECT_EQ(core->stats().rounds_completed, 4u);
+}
+
+// SSP, shrink: a rank back after the others went on resumes with the
+// slowest of them, rather than at its old clock, which held every pull of
+// theirs until it had replayed the steps it missed.
+TEST_F(ShardCoreTest, SspRankBackAfterShrinkResumesWithTheSlowestOther) {
+  CoreOptions o = opts(3, proto::Consistency::kSsp, proto::LossPolicy::kShrink);
+  o.staleness = 1;
+  make(o);
+  init(1, {0});
+  core->on_worker_lost(2, kT0, sink);
+  for (std::uint64_t t = 0; t < 6; ++t) push(0, 1, t, {1});
+  for (std::uint64_t t = 0; t < 4; ++t) push(1, 1, t, {1});
+  sink.take();
+  core->on_worker_back(2, kT0, sink);
+  pull(2, 1, 0, 1);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].header.step, 4u);  // rank 1's clock, the slower other
+  // Rank 0's pull of step 6 needs every counted rank at 5 or more: ranks 1
+  // and 2 push steps 4 (rank 2 from its new clock), and it is served.
+  pull(0, 1, 6, 1);
+  EXPECT_TRUE(sink.take().empty());
+  push(1, 1, 4, {1});
+  push(2, 1, 4, {1});
+  s = sink.take();
+  ASSERT_FALSE(s.empty());
+  EXPECT_FALSE(s.back().is_error) << s.back().error.to_string();
+  EXPECT_EQ(s.back().to.connection_id, 100u);
+}
+
 TEST_F(ShardCoreTest, FailPolicyAnswersWaitersAtOnce) {
   make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kFail));
   init(1, {0});

@@ -90,7 +90,10 @@ TEST(Handle, AFailureWaitsForTheSendsThatStillReadTheCallersMemory) {
   // fail_out_of_step runs its callback when the operation finishes.
   auto oos = std::make_shared<Op>(1);
   std::optional<std::uint64_t> told;
-  oos->on_out_of_step = [&](std::uint64_t at) { told = at; };
+  oos->on_out_of_step = [&](std::uint64_t at, ErrorCode code) {
+    told = at;
+    EXPECT_EQ(code, ErrorCode::kOutOfStep);
+  };
   oos->send_started();
   EXPECT_FALSE(oos->fail_out_of_step(Error(ErrorCode::kOutOfStep, "behind"), 9));
   EXPECT_FALSE(told);
