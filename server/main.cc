@@ -11,7 +11,8 @@
 // the checkpoint.
 // A stop signal during start-up stops it before the ready line. Under systemd (NOTIFY_SOCKET
 // set) it reports READY=1 once listening and pings WATCHDOG=1 at half the
-// watchdog interval. Once listening it prints one line to stdout:
+// watchdog interval while every shard thread takes requests (a liveness
+// probe per tick: Server::check_liveness). Once listening it prints one line to stdout:
 //   ember-server ready listen=127.0.0.1:7070 metrics=127.0.0.1:9100
 // (scripts and tests wait for it; "metrics=" is empty when metrics are off).
 // This is the program's one top-level catch: exceptions from CLI11 and any
@@ -214,6 +215,7 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
     notify(fmt::format("READY=1\nSTATUS=serving on {}", (*server)->address()));
   }
+  bool withheld = false;  // the last watchdog ping was withheld
   const std::chrono::nanoseconds tick =
       watchdog.count() > 0 ? std::chrono::nanoseconds(watchdog) : std::chrono::nanoseconds(kLongestTick);
   while (signal_number == 0) {
@@ -230,7 +232,22 @@ int run(int argc, char** argv) {
       if (sigwait(&stop_signals, &signal_number) != 0) signal_number = SIGTERM;
       break;
     }
-    if (watchdog.count() > 0) notify("WATCHDOG=1");
+    if (watchdog.count() > 0 && signal_number == 0) {
+      // A ping says the server works, not only that this thread runs: it
+      // is withheld while a shard thread takes no request for a whole tick,
+      // so that systemd restarts a server stuck there (WatchdogSec).
+      if (auto live = (*server)->check_liveness(); live) {
+        if (withheld) log->info("shard threads answer again: watchdog pings resume");
+        withheld = false;
+        notify("WATCHDOG=1");
+      } else if (!withheld) {
+        withheld = true;
+        log->error("{}: withholding the watchdog ping; systemd restarts the server if this lasts "
+                   "WatchdogSec",
+                   live.error().message());
+        notify(fmt::format("STATUS=watchdog ping withheld: {}", live.error().message()));
+      }
+    }
   }
   log->info("received {}: stopping (another SIGTERM, SIGINT or SIGHUP after 2 s stops at once, "
             "without the final checkpoint)",

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/base/logging.h"
 #include "common/memory/page_pool.h"
@@ -214,6 +215,9 @@ struct Server::Impl final : ReplySink {
   // other servers).
   std::shared_ptr<BarrierNumbers> barrier_numbers;
   std::vector<std::unique_ptr<Shard>> shards;
+  // Per shard: whether it took its last liveness probe (check_liveness; the
+  // owning thread's).
+  std::vector<std::shared_ptr<std::atomic<bool>>> liveness_probes;
   std::unique_ptr<transport::Transport> transport;
   std::unique_ptr<transport::Listener> listener;
   std::string address;
@@ -1719,6 +1723,30 @@ std::string Server::metrics_address() const {
 Status Server::shutdown() { return impl_->shutdown(); }
 
 Result<std::uint64_t> Server::checkpoint_now() { return impl_->checkpoint_request(); }
+
+Status Server::check_liveness() {
+  auto& probes = impl_->liveness_probes;
+  probes.resize(impl_->shards.size());
+  std::vector<std::uint32_t> stuck;
+  for (std::uint32_t i = 0; i < impl_->shards.size(); ++i) {
+    if (probes[i] && !probes[i]->load(std::memory_order_acquire)) {
+      stuck.push_back(i);  // its last probe still queued: no second one
+      continue;
+    }
+    auto taken = std::make_shared<std::atomic<bool>>(false);
+    probes[i] = taken;
+    ShardItem item;
+    item.kind = ShardItem::Kind::kProbe;
+    item.countdown = std::make_shared<Countdown>(
+        1, [taken] { taken->store(true, std::memory_order_release); });
+    impl_->shards[i]->post(std::move(item));
+  }
+  if (stuck.empty()) return ok_status();
+  return make_error(ErrorCode::kTimeout,
+                    "shard thread(s) {} of server {} took no request since the last watchdog "
+                    "tick (stuck in one request, or starved of CPU)",
+                    fmt::join(stuck, ", "), impl_->config.server.server_index);
+}
 
 Result<std::uint64_t> Server::Impl::checkpoint_request() {
   if (config.server.checkpoint_dir.empty()) {

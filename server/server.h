@@ -72,6 +72,15 @@ class Server {
   // checkpoint's error, if writing it failed (the server is stopped anyway).
   Status shutdown();
 
+  // The watchdog's liveness check (ember-server pings systemd's WATCHDOG=1
+  // only after it passes): whether every shard thread took the probe posted
+  // at the previous call; then posts the next ones (a shard whose probe is
+  // still queued gets none). Call it from one thread, once per watchdog
+  // tick: a shard stuck for a whole tick fails it. The first call passes.
+  // Covers the shard threads, not the transport's I/O threads. Errors:
+  // kTimeout naming the shards whose probe is still queued.
+  Status check_liveness();
+
   // Writes a checkpoint now and waits for it. Errors: kConfig when
   // checkpoint_dir is empty, kIo from the write. Any thread except an I/O
   // or shard thread.

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "common/base/logging.h"
+#include "common/base/sync_point.h"
 #include "common/placement/placement.h"
 
 namespace ember::server {
@@ -244,6 +245,12 @@ void Shard::handle(ShardItem& item) {
       break;
     case ShardItem::Kind::kSendRaw:
       if (hooks_.send_raw) hooks_.send_raw(item.request.to, item.raw);
+      break;
+    case ShardItem::Kind::kProbe:
+      // Passed by the shard thread as it takes a liveness probe: a test
+      // stalls it here to play a stuck shard.
+      EMBER_SYNC_POINT("Shard::handle:probe");
+      if (item.countdown) item.countdown->arrive();
       break;
     case ShardItem::Kind::kSendReply:
       sink.reply(item.request.to, item.request.header,

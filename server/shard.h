@@ -63,6 +63,7 @@ struct ShardItem {
     kSendRaw,         // raw (an encoded message) to request.to, through hooks.send_raw
     kSendReply,       // request.header with raw as its float32 data to request.to,
                       // through hooks.sink->reply (a large reply made on an I/O thread)
+    kProbe,           // countdown: arrives when the shard thread takes it (liveness)
   };
   Kind kind = Kind::kRequest;
   std::uint32_t rank = 0;

@@ -18,6 +18,7 @@
 #include <spdlog/sinks/ostream_sink.h>
 
 #include "common/base/logging.h"
+#include "common/base/sync_point.h"
 #include "common/memory/size_class.h"
 #include "server/server.h"
 
@@ -716,6 +717,55 @@ TEST(WorkerClient, LargeBuffersSpanConsecutivePoolBlocksAndTravel) {
   // Freed: the same run can be had again.
   TensorBuffer again = w->allocate(n * 4);
   EXPECT_TRUE(again.in_pool());
+}
+
+// The watchdog's liveness check: a shard thread stalled inside one item (the
+// sync point plays a stuck request) fails the next check, naming the shard,
+// and passes again once it has taken its probe. The stalled probe is not
+// posted twice.
+TEST(ServerLiveness, AStuckShardFailsTheCheckUntilItTakesItsProbe) {
+  if (!sync_point::kCompiled) GTEST_SKIP() << "needs EMBER_SYNC_POINTS";
+  sync_point::ScopedClear clear;
+  LocalServer local(base_config(1));
+  ASSERT_TRUE(local.server);
+  std::mutex mutex;
+  std::condition_variable cv;
+  int passes = 0;
+  bool release = false;
+  sync_point::set("Shard::handle:probe", [&] {
+    std::unique_lock lock(mutex);
+    if (++passes == 1) {
+      cv.notify_all();
+      cv.wait(lock, [&] { return release; });
+    }
+    cv.notify_all();
+  });
+  ASSERT_TRUE(local.server->check_liveness());  // posts the first probes
+  {
+    std::unique_lock lock(mutex);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return passes >= 1; }));
+  }
+  auto stuck = local.server->check_liveness();
+  ASSERT_FALSE(stuck);
+  EXPECT_EQ(stuck.error().code(), ErrorCode::kTimeout);
+  EXPECT_NE(stuck.error().message().find("shard thread(s) 0 of server 0"), std::string::npos)
+      << stuck.error().message();
+  {
+    std::lock_guard lock(mutex);
+    release = true;
+  }
+  cv.notify_all();
+  // Once the stalled probe is taken, the check passes (and posts anew).
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  Status again = local.server->check_liveness();
+  while (!again && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+    again = local.server->check_liveness();
+  }
+  EXPECT_TRUE(again) << again.error().to_string();
+  std::unique_lock lock(mutex);
+  // Two probes taken in all: the stalled one was not posted twice.
+  EXPECT_TRUE(cv.wait_for(lock, 10s, [&] { return passes == 2; }));
 }
 
 }  // namespace
