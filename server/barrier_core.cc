@@ -1,6 +1,8 @@
 // Job-wide barrier; see barrier_core.h.
 #include "server/barrier_core.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "common/base/check.h"
@@ -12,6 +14,7 @@ BarrierCore::BarrierCore(std::uint32_t num_workers, proto::LossPolicy policy,
                          std::shared_ptr<BarrierNumbers> numbers)
     : membership_(num_workers, policy, worker_timeout),
       arrived_(num_workers),
+      later_(num_workers),
       answered_(num_workers),
       numbers_(std::move(numbers)) {
   EMBER_CHECK_MSG(!numbers_ || numbers_->size() == num_workers, "{} numbers for {} workers",
@@ -30,7 +33,32 @@ void BarrierCore::on_barrier(const Request& request, TimePoint /*now*/, ReplySin
     sink.reply(request.to, reply, {});
     return;
   }
-  arrived_[rank] = request;
+  auto& queued = later_[rank];
+  if (arrived_[rank] && request.header.step > arrived_[rank]->header.step) {
+    // The rank's next barrier while its previous one waits (Worker::barrier
+    // called again before the first finished): it waits for the next
+    // generation, in number order. A re-send of a queued one replaces it.
+    for (Request& q : queued) {
+      if (q.header.step == request.header.step) {
+        q = request;
+        return;
+      }
+    }
+    if (queued.size() >= kMaxQueuedPerRank) {
+      sink.error(request.to, request.header,
+                 Error(ErrorCode::kInvalidArgument,
+                       fmt::format("worker {} has {} barriers waiting already; wait for one "
+                                   "before calling barrier() again",
+                                   rank, queued.size() + 1)));
+      return;
+    }
+    const auto at = std::find_if(queued.begin(), queued.end(), [&](const Request& q) {
+      return q.header.step > request.header.step;
+    });
+    queued.insert(at, request);
+    return;
+  }
+  arrived_[rank] = request;  // the open generation's (a re-send replaces it)
   settle(sink);
 }
 
@@ -60,14 +88,26 @@ void BarrierCore::settle(ReplySink& sink) {
       a.reset();
     }
     ++generation_;
+    // Barriers the ranks sent ahead enter the new generation, which they
+    // may complete at once.
+    bool moved = false;
+    for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
+      if (later_[r].empty()) continue;
+      arrived_[r] = std::move(later_[r].front());
+      later_[r].pop_front();
+      moved = true;
+    }
+    if (moved) settle(sink);
     return;
   }
   if (failed) {
     const Error err = membership_.failure_error(*failed, fmt::format("barrier {}", generation_));
-    for (auto& a : arrived_) {
-      if (!a) continue;
-      sink.error(a->to, a->header, err);
-      a.reset();
+    for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
+      if (!arrived_[r]) continue;
+      sink.error(arrived_[r]->to, arrived_[r]->header, err);
+      arrived_[r].reset();
+      for (const Request& q : later_[r]) sink.error(q.to, q.header, err);
+      later_[r].clear();
     }
   }
 }
@@ -88,8 +128,16 @@ void BarrierCore::on_tick(TimePoint now, ReplySink& sink) {
 }
 
 void BarrierCore::drop_connection(std::uint64_t connection_id) {
-  for (auto& a : arrived_) {
-    if (a && a->to.connection_id == connection_id) a.reset();
+  for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
+    std::erase_if(later_[r], [&](const Request& q) { return q.to.connection_id == connection_id; });
+    if (arrived_[r] && arrived_[r]->to.connection_id == connection_id) {
+      arrived_[r].reset();
+      // What it sent ahead on a live connection waits in its place.
+      if (!later_[r].empty()) {
+        arrived_[r] = std::move(later_[r].front());
+        later_[r].pop_front();
+      }
+    }
   }
 }
 

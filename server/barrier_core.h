@@ -9,7 +9,10 @@
 // re-send after a reconnect, before the answer) replaces its earlier request.
 // A barrier whose number is the rank's last answered one (a re-send whose
 // answer was lost with its connection) is answered again at once with that
-// generation, and not counted in the open one.
+// generation, and not counted in the open one. A barrier with a higher
+// number than the rank's waiting one (barrier() called again before the
+// first finished) waits for the next generation (at most 16 such per rank;
+// more get kInvalidArgument).
 // If a missing rank is failed (policy fail, or wait past worker_timeout), the
 // waiting ranks get ErrorCode::kWorkerLost and the generation stays open.
 //
@@ -18,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -63,6 +67,10 @@ class BarrierCore {
 
   Membership membership_;
   std::vector<std::optional<Request>> arrived_;
+  // Per rank: its barriers with higher numbers than its arrived one (sent
+  // before that one finished), in number order, for the next generations.
+  std::vector<std::deque<Request>> later_;
+  static constexpr std::size_t kMaxQueuedPerRank = 16;
   std::vector<std::optional<Answered>> answered_;  // per rank: its last answered barrier
   std::shared_ptr<BarrierNumbers> numbers_;
   std::uint64_t generation_ = 0;

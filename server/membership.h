@@ -62,6 +62,13 @@ class Membership {
   // When tick() next has something to do; nullopt when nothing is pending.
   std::optional<TimePoint> next_deadline() const;
 
+  // When an excluded rank (shrink) has been gone for worker_timeout: what
+  // only it can give (rank 0's initial values) is given up on then; nullopt
+  // when `rank` is not excluded.
+  std::optional<TimePoint> excluded_deadline(std::uint32_t rank) const noexcept {
+    if (states_[rank].kind != Kind::kExcluded) return std::nullopt;
+    return states_[rank].lost_since + worker_timeout_;
+  }
   // Rounds and barriers proceed without an excluded rank (shrink).
   bool excluded(std::uint32_t rank) const noexcept { return states_[rank].kind == Kind::kExcluded; }
   // Requests needing a failed rank get kWorkerLost.

@@ -153,7 +153,7 @@ void ShardCore::reply_init(const Entry& e, const Request& request,
 }
 
 void ShardCore::on_init(const Request& request, std::span<const std::uint64_t> shape,
-                        Payload values, TimePoint /*now*/, ReplySink& sink) {
+                        Payload values, TimePoint now, ReplySink& sink) {
   const proto::Header& h = request.header;
   EMBER_CHECK_MSG(h.worker_rank < options_.num_workers, "rank {} of {}", h.worker_rank,
                   options_.num_workers);
@@ -170,7 +170,7 @@ void ShardCore::on_init(const Request& request, std::span<const std::uint64_t> s
     return;
   }
   if (h.worker_rank != 0) {
-    if (rank0_gone()) {
+    if (rank0_gone(now)) {
       sink.error(request.to, h, membership_.failure_error(0, "init of " + entry_name(id)));
       return;
     }
@@ -217,9 +217,26 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
   EMBER_CHECK_MSG(rank < options_.num_workers, "rank {} of {}", rank, options_.num_workers);
   const std::uint64_t t = h.step;
   if (t < e.clocks[rank]) {
+    if (rank < e.raised_from.size() && t >= e.raised_from[rank]) {
+      // A step it skipped when it came back (on_worker_back): not a re-send
+      // of a push already applied, which would be acknowledged. The reply's
+      // step is where it continues (the worker moves step(key) there).
+      proto::Header reply_to = h;
+      reply_to.step = e.clocks[rank];
+      sink.error(request.to, reply_to,
+                 Error(ErrorCode::kStale,
+                       fmt::format("push of step {} for {} from rank {} is of a step it skipped "
+                                   "when it came back (the others went on without it: "
+                                   "on_worker_loss = \"shrink\"); its gradient is not applied; "
+                                   "Worker::step(key) now returns at least {}: pull to catch up "
+                                   "and push from there",
+                                   t, entry_name(e.id), rank, e.clocks[rank])));
+      return PushOutcome::kRefused;
+    }
     ++pushes_duplicate_;
     return PushOutcome::kDuplicate;
   }
+  if (rank < e.raised_from.size()) e.raised_from[rank] = Entry::kNotRaised;  // caught up
   if (options_.consistency != proto::Consistency::kBsp) {
     unlend(e);
     optimizer_.apply(e.params, gradient.values(), e.optimizer);
@@ -522,13 +539,23 @@ void ShardCore::detach_blocked_rounds(Entry& e) {
   }
 }
 
-void ShardCore::serve_all(ReplySink& sink) {
+std::optional<TimePoint> ShardCore::next_deadline() const {
+  std::optional<TimePoint> d = membership_.next_deadline();
+  if (!pending_inits_.empty()) {
+    if (const auto rank0 = membership_.excluded_deadline(0); rank0 && (!d || *rank0 < *d)) {
+      d = rank0;
+    }
+  }
+  return d;
+}
+
+void ShardCore::serve_all(TimePoint now, ReplySink& sink) {
   for (auto& [id, e] : entries_) {
     complete_rounds(*e);
     serve_parked(*e, sink);
     detach_blocked_rounds(*e);
   }
-  if (rank0_gone()) {
+  if (rank0_gone(now)) {
     for (auto& [id, pending] : pending_inits_) {
       for (const Parked& p : pending.waiting) {
         sink.error(p.request.to, p.request.header,
@@ -542,7 +569,7 @@ void ShardCore::serve_all(ReplySink& sink) {
 void ShardCore::on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink,
                                Departure how) {
   if (rank >= options_.num_workers) return;
-  if (membership_.lost(rank, now, how)) serve_all(sink);
+  if (membership_.lost(rank, now, how)) serve_all(now, sink);
 }
 
 void ShardCore::on_worker_back(std::uint32_t rank, TimePoint /*now*/, ReplySink& /*sink*/) {
@@ -555,20 +582,34 @@ void ShardCore::on_worker_back(std::uint32_t rank, TimePoint /*now*/, ReplySink&
   // SSP, shrink: the others went on without it. Back at its old clock, it
   // would hold every pull of theirs until it had replayed the steps it
   // missed (ready() counts it again). It resumes with the slowest of the
-  // others instead (init and pull replies say where): its steps between are
-  // forfeited, as shrink drops a lost rank's rounds.
+  // others counted (init and pull replies say where), or, when all of them
+  // are left out too, with the furthest of them (they count again when they
+  // come back): its steps between are forfeited, as shrink drops a lost
+  // rank's rounds, and its pushes of them are refused as stale.
   for (auto& [id, e] : entries_) {
-    std::optional<std::uint64_t> slowest;
+    std::optional<std::uint64_t> slowest_counted;
+    std::optional<std::uint64_t> furthest;
     for (std::uint32_t r = 0; r < options_.num_workers; ++r) {
-      if (r == rank || membership_.excluded(r)) continue;
-      slowest = std::min(slowest.value_or(e->clocks[r]), e->clocks[r]);
+      if (r == rank) continue;
+      furthest = std::max(furthest.value_or(e->clocks[r]), e->clocks[r]);
+      if (membership_.excluded(r)) continue;
+      slowest_counted = std::min(slowest_counted.value_or(e->clocks[r]), e->clocks[r]);
     }
-    if (slowest && e->clocks[rank] < *slowest) e->clocks[rank] = *slowest;
+    const std::optional<std::uint64_t> to = slowest_counted ? slowest_counted : furthest;
+    if (!to || e->clocks[rank] >= *to) continue;
+    if (e->raised_from.size() != options_.num_workers) {
+      e->raised_from.assign(options_.num_workers, Entry::kNotRaised);
+    }
+    if (e->raised_from[rank] == Entry::kNotRaised) e->raised_from[rank] = e->clocks[rank];
+    e->clocks[rank] = *to;
   }
 }
 
 void ShardCore::on_tick(TimePoint now, ReplySink& sink) {
-  if (membership_.tick(now)) serve_all(sink);
+  // A left-out rank 0's worker_timeout changes no membership state but ends
+  // the inits waiting for it.
+  const bool rank0_due = !pending_inits_.empty() && rank0_gone(now);
+  if (membership_.tick(now) || rank0_due) serve_all(now, sink);
 }
 
 void ShardCore::drop_connection(std::uint64_t connection_id) {

@@ -222,14 +222,17 @@ class ShardCore {
   void on_push_pull(const Request& request, Payload gradient, TimePoint now, ReplySink& sink);
 
   // Worker events and time. May complete or fail waiting requests. Under
-  // ssp, a rank back after shrink left it out resumes at the slowest other
-  // rank's clock per entry (what init and pull replies then say); its pushes
-  // of the steps between count as duplicates (acknowledged, not applied).
+  // ssp, a rank back after shrink left it out resumes, per entry, at the
+  // slowest clock of the other ranks counted (the furthest, when all are
+  // left out): what init and pull replies then say; its pushes of the steps
+  // between are refused with kStale and that clock in the reply's step.
   void on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink,
                       Departure how = Departure::kLost);
   void on_worker_back(std::uint32_t rank, TimePoint now, ReplySink& sink);
   void on_tick(TimePoint now, ReplySink& sink);
-  std::optional<TimePoint> next_deadline() const { return membership_.next_deadline(); }
+  // When on_tick next has something to do: a lost rank's worker_timeout
+  // (wait), or, while inits wait for a left-out rank 0 (shrink), its.
+  std::optional<TimePoint> next_deadline() const;
 
   // Forgets requests waiting on behalf of a closed connection.
   void drop_connection(std::uint64_t connection_id);
@@ -294,6 +297,11 @@ class ShardCore {
     OptimizerState optimizer;
     std::uint64_t version = 0;
     std::vector<std::uint64_t> clocks;
+    // ssp: per rank, its clock before on_worker_back raised it (kNotRaised
+    // when not raised since its last push). Its pushes of the steps between
+    // are refused as stale (with the clock), not taken for re-sends.
+    std::vector<std::uint64_t> raised_from;
+    static constexpr std::uint64_t kNotRaised = ~std::uint64_t{0};
 
     Entry() = default;
     Entry(const Entry&) = delete;
@@ -341,7 +349,7 @@ class ShardCore {
   std::optional<std::uint32_t> blocking_failed_rank(const Entry& e, const Parked& p) const;
   void park_or_answer(Entry& e, Parked parked, ReplySink& sink);
   void serve_parked(Entry& e, ReplySink& sink);
-  void serve_all(ReplySink& sink);
+  void serve_all(TimePoint now, ReplySink& sink);
   // bsp: the held contributions of e's rounds that wait for a lost rank
   // (failed, or waited for under policy wait) move to heap copies
   // (Payload::detach), giving their pushers' buffers back. Such a round
@@ -357,10 +365,14 @@ class ShardCore {
   // Whether a pull for `want` from `rank` can only be served by pushes of
   // that rank which, given the request order, were never sent.
   bool waits_on_itself(const Entry& e, std::uint32_t rank, std::uint64_t want) const;
-  // Rank 0, which gives every key's initial values, cannot give them now:
-  // failed, or left out (shrink). Inits of other ranks then fail with
+  // Rank 0, which gives every key's initial values, cannot give them: failed,
+  // or left out (shrink) for worker_timeout already (a rank 0 restarted
+  // within it still gives them). Inits of other ranks then fail with
   // kWorkerLost rather than wait for nobody.
-  bool rank0_gone() const noexcept { return membership_.failed(0) || membership_.excluded(0); }
+  bool rank0_gone(TimePoint now) const noexcept {
+    const auto excluded_until = membership_.excluded_deadline(0);
+    return membership_.failed(0) || (excluded_until && now >= *excluded_until);
+  }
   // Replies kOutOfStep (reply step: expected_step) to `request`, asking for `asked`.
   void refuse_out_of_step(Entry& e, const Request& request, std::uint64_t asked, ReplySink& sink);
 

@@ -281,6 +281,32 @@ TEST(WorkerResend, ABarrierReSentAfterItsAnswerWasLostIsNotCountedInTheNext) {
   EXPECT_EQ(*n0, 1u);
 }
 
+// barrier() twice before the first finished, on both workers: each call
+// completes with its own generation (the second used to replace the first,
+// whose caller then timed out).
+TEST(WorkerResend, TwoBarriersInFlightPerWorkerCompleteInOrder) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w0 = make_worker(spec, server.address(), 0);
+  auto w1 = make_worker(spec, server.address(), 1);
+  ASSERT_TRUE(w0 && w1);
+  Handle a0 = w0->barrier(), b0 = w0->barrier();
+  Handle a1 = w1->barrier(), b1 = w1->barrier();
+  for (Handle* h : {&a0, &a1}) {
+    auto r = h->wait();
+    ASSERT_TRUE(r) << r.error().to_string();
+    EXPECT_EQ(*r, 0u);
+  }
+  for (Handle* h : {&b0, &b1}) {
+    auto r = h->wait();
+    ASSERT_TRUE(r) << r.error().to_string();
+    EXPECT_EQ(*r, 1u);
+  }
+}
+
 // A worker restarted with the same rank numbers its barriers on from where
 // its predecessor stopped (server 0's join reply): its first barrier is the
 // job's next one, not a re-send of the predecessor's answered one.

@@ -437,6 +437,7 @@ TEST_F(ShardCoreTest, ShrinkPolicyCompletesWithRemainingWorkers) {
 
 // Under shrink, a lost rank 0 is left out, not failed: inits of other ranks
 // waited for it with nothing to end the wait (a timeout that named no cause).
+// They fail once it has been gone for worker_timeout.
 TEST_F(ShardCoreTest, ShrinkWithoutRankZeroFailsOtherRanksInitsWithWorkerLost) {
   make(opts(3, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
   const std::uint64_t shape[] = {2};
@@ -445,14 +446,17 @@ TEST_F(ShardCoreTest, ShrinkWithoutRankZeroFailsOtherRanksInitsWithWorkerLost) {
   core->on_init(parked, shape, Payload{}, kT0, sink);
   EXPECT_TRUE(sink.take().empty());
   core->on_worker_lost(0, kT0, sink);
+  EXPECT_TRUE(sink.take().empty());  // within worker_timeout (5 s): rank 0 may be back
+  core->on_tick(kT0 + std::chrono::seconds(5), sink);
   auto s = sink.take();
   ASSERT_EQ(s.size(), 1u);
   EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
   EXPECT_NE(s[0].error.message().find("on_worker_loss = \"shrink\""), std::string::npos)
       << s[0].error.message();
+  EXPECT_FALSE(core->next_deadline());
   auto later = req(MsgType::kInit, 2, 6, 0, 2);
   later.header.flags = proto::kFlagNoData;
-  core->on_init(later, shape, Payload{}, kT0, sink);
+  core->on_init(later, shape, Payload{}, kT0 + std::chrono::seconds(6), sink);
   s = sink.take();
   ASSERT_EQ(s.size(), 1u);
   EXPECT_EQ(s[0].error.code(), ErrorCode::kWorkerLost);
@@ -506,6 +510,80 @@ TEST_F(ShardCoreTest, SspRankBackAfterShrinkResumesWithTheSlowestOther) {
   ASSERT_FALSE(s.empty());
   EXPECT_FALSE(s.back().is_error) << s.back().error.to_string();
   EXPECT_EQ(s.back().to.connection_id, 100u);
+}
+
+// SSP, shrink, every other rank left out when one comes back: it resumes
+// with the furthest of them (the slowest counted would be none), so the
+// others' pulls are not held by it when they come back in turn.
+TEST_F(ShardCoreTest, SspRankBackWhileAllOthersAreLeftOutResumesWithTheFurthest) {
+  CoreOptions o = opts(2, proto::Consistency::kSsp, proto::LossPolicy::kShrink);
+  o.staleness = 1;
+  make(o);
+  init(1, {0});
+  core->on_worker_lost(1, kT0, sink);
+  for (std::uint64_t t = 0; t < 6; ++t) push(0, 1, t, {1});
+  core->on_worker_lost(0, kT0, sink);
+  sink.take();
+  core->on_worker_back(1, kT0, sink);
+  pull(1, 1, 0, 1);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].header.step, 6u);
+  core->on_worker_back(0, kT0, sink);
+  pull(0, 1, 7, 1);  // needs rank 1 at 6 or more: it is
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_FALSE(s[0].is_error) << s[0].error.to_string();
+}
+
+// SSP, shrink: a rank back on the same connection pushes the steps it had
+// reached before (its worker did not restart). Those steps were skipped when
+// its clock was raised: refused as stale with the clock, rather than
+// acknowledged as re-sends and silently dropped. A real re-send (a step
+// below its old clock) is still acknowledged.
+TEST_F(ShardCoreTest, SspPushesOfSkippedStepsAreStaleAndTellTheClock) {
+  make(opts(2, proto::Consistency::kSsp, proto::LossPolicy::kShrink));
+  init(1, {0});
+  push(1, 1, 0, {1});
+  push(1, 1, 1, {1});
+  core->on_worker_lost(1, kT0, sink);
+  for (std::uint64_t t = 0; t < 5; ++t) push(0, 1, t, {1});
+  sink.take();
+  core->on_worker_back(1, kT0, sink);
+  push(1, 1, 1, {1});  // a re-send of a push applied before it left
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_FALSE(s[0].is_error);
+  EXPECT_EQ(core->stats().pushes_duplicate, 1u);
+  push(1, 1, 2, {1});  // skipped
+  s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kStale);
+  EXPECT_EQ(s[0].header.step, 5u);
+  const auto applied = core->stats().pushes_applied;
+  push(1, 1, 5, {1});  // from the clock: applied
+  EXPECT_EQ(core->stats().pushes_applied, applied + 1);
+}
+
+// Under shrink rank 0 is left out at once, but a rank 0 restarted within
+// worker_timeout still gives the initial values: inits of other ranks wait
+// that long for it before they fail.
+TEST_F(ShardCoreTest, InitsWaitWorkerTimeoutForALeftOutRankZero) {
+  make(opts(2, proto::Consistency::kBsp, proto::LossPolicy::kShrink));
+  const std::uint64_t shape[] = {2};
+  core->on_worker_lost(0, kT0, sink);
+  auto r1 = req(MsgType::kInit, 1, 5, 0, 2);
+  r1.header.flags = proto::kFlagNoData;
+  core->on_init(r1, shape, Payload{}, kT0 + std::chrono::seconds(1), sink);
+  EXPECT_TRUE(sink.take().empty());
+  ASSERT_TRUE(core->next_deadline());
+  EXPECT_EQ(*core->next_deadline(), kT0 + std::chrono::seconds(5));
+  core->on_worker_back(0, kT0 + std::chrono::seconds(2), sink);
+  core->on_init(req(MsgType::kInit, 0, 5, 0, 2), shape, Payload::of(std::vector<float>{1, 2}),
+                kT0 + std::chrono::seconds(2), sink);
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 2u);  // rank 0, then the waiting rank 1
+  EXPECT_FALSE(s[1].is_error) << s[1].error.to_string();
 }
 
 TEST_F(ShardCoreTest, FailPolicyAnswersWaitersAtOnce) {
@@ -1061,6 +1139,29 @@ TEST(BarrierCore, AReSentAnsweredBarrierIsAnsweredAgainNotCountedInTheNext) {
   for (auto& s : sink.sent) EXPECT_EQ(s.header.step, 1u);
   EXPECT_EQ(b.generation(), 2u);
   EXPECT_EQ((*numbers)[1].load(), 2u);
+}
+
+// barrier() called twice before the first finished: the second waits for
+// the next generation (it replaced the first before, whose caller then
+// timed out while the job fell out of step).
+TEST(BarrierCore, ABarrierSentAheadWaitsForTheNextGeneration) {
+  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1));
+  RecordingSink sink;
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 1, 0), kT0, sink);
+  EXPECT_TRUE(sink.sent.empty());
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);  // generation 0: rank 0's first, rank 1's
+  for (auto& s : sink.sent) {
+    EXPECT_EQ(s.header.step, 0u);
+    EXPECT_EQ(s.header.request_id % 1000, s.header.worker_rank);  // step 0's requests
+  }
+  EXPECT_EQ(b.num_waiting(), 1u);  // rank 0's second, in generation 1
+  sink.sent.clear();
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 1, 0), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);
+  for (auto& s : sink.sent) EXPECT_EQ(s.header.step, 1u);
+  EXPECT_EQ(b.generation(), 2u);
 }
 
 TEST(BarrierCore, ShrinkReleasesWithoutLostRank) {
