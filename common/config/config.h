@@ -183,8 +183,13 @@ struct CommunicationConfig {
   // max_queued_bytes: bytes a connection may hold queued for a slow receiver
   // before the sender waits or fails; >= max_message_size.
   std::uint64_t max_queued_bytes = std::uint64_t{256} << 20;
-  // auth_token: shared secret checked at handshake; "" = none (loopback only).
+  // auth_token: shared secret checked at handshake; "" = none (loopback
+  // only). At most 1024 bytes. Holds auth_token_file's token when that is set.
   std::string auth_token;
+  // auth_token_file: a file holding the secret instead (read when the key is
+  // set, one trailing newline dropped; auth_token then prints as ""): keeps
+  // it off command lines. Not together with auth_token.
+  std::string auth_token_file;
   // record_pattern: record per-channel head/tail positions and message sizes.
   bool record_pattern = false;
   // record_path: base name of the recording; each process writes

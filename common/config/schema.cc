@@ -5,9 +5,11 @@
 #include <netinet/in.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <set>
 
@@ -336,6 +338,117 @@ Field string_field(std::string_view table, std::string_view key, std::string_vie
   return f;
 }
 
+// [communication] auth_token and auth_token_file: one secret, given inline
+// or read from a file (a Kubernetes or Docker secret mounted as a file keeps
+// it off command lines, which any local user can read in /proc). The file's
+// token lands in auth_token, which every consumer reads; auth_token then
+// prints as "" (the secret stays in its file). Giving both is an error,
+// whatever the order of the lines or overrides.
+constexpr std::size_t kMaxAuthTokenBytes = 1024;  // as the handshake allows
+
+Field auth_token_field() {
+  Field f{"communication", "auth_token",
+          "shared secret checked at handshake; \"\" = none (loopback only); printed as \"\" "
+          "when auth_token_file gives it",
+          OverrideText::kString};
+  f.set = [](Config& c, const toml::value& v) -> Problem {
+    if (!v.is_string()) {
+      return fmt::format("must be a string, got {}; write it in double quotes", describe(v));
+    }
+    const std::string& token = v.as_string().str;
+    if (first_invalid_utf8(token)) return std::string("is not valid UTF-8; write the value as UTF-8 text");
+    if (!c.communication.auth_token_file.empty()) {
+      if (token.empty()) return std::nullopt;  // as printed: the file's token stays
+      return fmt::format("auth_token_file = {} gives the token already; give auth_token or "
+                         "auth_token_file, not both",
+                         quote(c.communication.auth_token_file));
+    }
+    if (token.size() > kMaxAuthTokenBytes) {
+      return fmt::format("is {} bytes; at most {}", token.size(), kMaxAuthTokenBytes);
+    }
+    c.communication.auth_token = token;
+    return std::nullopt;
+  };
+  f.check = [](const Config& c) -> Problem {
+    if (first_invalid_utf8(c.communication.auth_token) && c.communication.auth_token_file.empty()) {
+      return std::string("is not valid UTF-8; write the value as UTF-8 text");
+    }
+    return std::nullopt;
+  };
+  f.print = [](const Config& c) {
+    return c.communication.auth_token_file.empty() ? quote(c.communication.auth_token)
+                                                   : std::string("\"\"");
+  };
+  return f;
+}
+
+// The token in `path`: its bytes, less one trailing newline ("\n" or
+// "\r\n", as `echo` and editors leave it).
+Result<std::string> read_auth_token_file(const std::string& path) {
+  errno = 0;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int err = errno != 0 ? errno : EIO;
+    return make_error(ErrorCode::kConfig, "cannot open '{}': {}; check the path and that this "
+                      "process may read it", path, std::strerror(err));
+  }
+  std::string token(kMaxAuthTokenBytes + 3, '\0');
+  in.read(token.data(), static_cast<std::streamsize>(token.size()));
+  if (in.bad()) {
+    return make_error(ErrorCode::kConfig, "cannot read '{}': {}", path, std::strerror(EIO));
+  }
+  token.resize(static_cast<std::size_t>(in.gcount()));
+  if (token.ends_with('\n')) token.pop_back();
+  if (token.ends_with('\r')) token.pop_back();
+  if (token.size() > kMaxAuthTokenBytes) {
+    return make_error(ErrorCode::kConfig, "'{}' holds more than {} bytes; a token is at most {}",
+                      path, kMaxAuthTokenBytes, kMaxAuthTokenBytes);
+  }
+  if (token.empty()) {
+    return make_error(ErrorCode::kConfig, "'{}' is empty; write the job's token into it (e.g. "
+                      "od -An -N16 -tx1 /dev/urandom | tr -d ' \\n' > FILE)", path);
+  }
+  if (first_invalid_utf8(token)) {
+    return make_error(ErrorCode::kConfig, "'{}' is not valid UTF-8 text", path);
+  }
+  return token;
+}
+
+Field auth_token_file_field() {
+  Field f{"communication", "auth_token_file",
+          "file holding the shared secret (instead of auth_token; one trailing newline ignored); "
+          "\"\" = none",
+          OverrideText::kString};
+  f.set = [](Config& c, const toml::value& v) -> Problem {
+    if (!v.is_string()) {
+      return fmt::format("must be a string, got {}; write it in double quotes", describe(v));
+    }
+    const std::string& path = v.as_string().str;
+    if (first_invalid_utf8(path)) return std::string("is not valid UTF-8; write the value as UTF-8 text");
+    if (const auto at = path.find('\0'); at != std::string::npos) {
+      return fmt::format("holds a NUL character (\\u0000) at byte {}; remove it", at);
+    }
+    CommunicationConfig& comm = c.communication;
+    if (path.empty()) {
+      if (!comm.auth_token_file.empty()) comm.auth_token.clear();  // it came from the file
+      comm.auth_token_file.clear();
+      return std::nullopt;
+    }
+    if (!comm.auth_token.empty() && comm.auth_token_file.empty()) {
+      return std::string("auth_token gives the token already; give auth_token or auth_token_file, "
+                         "not both");
+    }
+    auto token = read_auth_token_file(path);
+    if (!token) return token.error().message();
+    comm.auth_token = std::move(*token);
+    comm.auth_token_file = path;
+    return std::nullopt;
+  };
+  f.check = [](const Config&) -> Problem { return std::nullopt; };
+  f.print = [](const Config& c) { return quote(c.communication.auth_token_file); };
+  return f;
+}
+
 template <typename Sub, typename E>
 Field enum_field(std::string_view table, std::string_view key, std::string_view doc,
                  Member<Sub, E> m, std::vector<E> values) {
@@ -594,9 +707,8 @@ std::vector<Field> build_fields() {
                          "bytes queued for a slow receiver before the sender waits; >= "
                          "max_message_size",
                          comm(&CommunicationConfig::max_queued_bytes), 512, TiB));
-  f.push_back(string_field("communication", "auth_token",
-                           "shared secret checked at handshake; \"\" = none (loopback only)",
-                           comm(&CommunicationConfig::auth_token)));
+  f.push_back(auth_token_field());
+  f.push_back(auth_token_file_field());
   f.push_back(bool_field("communication", "record_pattern",
                          "record per-channel positions and message sizes",
                          comm(&CommunicationConfig::record_pattern)));

@@ -25,6 +25,9 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 "$server" --help >"$tmp/server.help"
 has_flag() { grep -Eq -- "(^|[ ,])$2([ ,=]|$)" "$1" || fail "flag $2 is not in $(basename "$1" .help)'s --help"; }
 
+# A token file, standing in for the Secret's and the job's.
+echo "from-the-secret" >"$tmp/token"
+
 # --- k8s ---------------------------------------------------------------------
 "$py" - "$root/deploy/k8s/ember.yaml" "$tmp" <<'PY' || fail "deploy/k8s/ember.yaml"
 import sys, yaml
@@ -62,20 +65,29 @@ for side in ("requests", "limits"):
 assert "--rejoin" in " ".join(job["spec"]["template"]["spec"]["containers"][0]["args"]), \
     "restarted worker pods (restartPolicy OnFailure) need --rejoin"
 assert servers and servers[0].count(":7070") == replicas, "cluster.servers does not list every replica"
+# The token: a file of the Secret mounted in every pod, which the ConfigMap's
+# auth_token_file names; never on a command line or in the environment.
+token_file = re.search(r'^auth_token_file = "(.+)"$', cm["data"]["ember.toml"], re.M)
+assert token_file, "the ConfigMap's [communication] has no auth_token_file"
+for name, spec in (("server", sts["spec"]["template"]["spec"]), ("worker", job["spec"]["template"]["spec"])):
+    c = spec["containers"][0]
+    assert "auth_token" not in " ".join(c["args"]), f"the {name} command line carries the token"
+    assert not c.get("env"), f"the {name} environment carries the token"
+    secrets = {v["name"] for v in spec["volumes"] if "secret" in v}
+    mounted = [m for m in c["volumeMounts"] if m["name"] in secrets
+               and token_file.group(1).startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mounted, f"the {name} pod does not mount a Secret at {token_file.group(1)}"
+# Checked below with this test's token file in the Secret's place.
+open(sys.argv[2] + "/k8s.toml", "w").write(
+    cm["data"]["ember.toml"].replace(token_file.group(1), sys.argv[2] + "/token"))
 PY
-# The pods add the token from the Secret (--set communication.auth_token=...).
-k8s_token=(--set communication.auth_token=from-the-secret)
-"$server" --config "$tmp/k8s.toml" "${k8s_token[@]}" --check-config >/dev/null \
+"$server" --config "$tmp/k8s.toml" --check-config >/dev/null \
   || fail "k8s ConfigMap ember.toml is not valid"
-"$server" --config "$tmp/k8s.toml" "${k8s_token[@]}" --set server.server_index=1 --check-config >/dev/null \
+"$server" --config "$tmp/k8s.toml" --set server.server_index=1 --check-config >/dev/null \
   || fail "k8s: server_index 1 refused"
-if "$server" --config "$tmp/k8s.toml" --check-config >/dev/null 2>&1; then
+if "$server" --config "$tmp/k8s.toml" --set communication.auth_token_file= --check-config >/dev/null 2>&1; then
   fail "k8s: a 0.0.0.0 listen address without a token passed --check-config"
 fi
-grep -q -- '--set "communication.auth_token=${EMBER_AUTH_TOKEN}"' "$tmp/k8s-server.cmd" \
-  || fail "k8s server command does not pass the auth token"
-grep -q -- '--set "communication.auth_token=${EMBER_AUTH_TOKEN}"' "$tmp/k8s-worker.cmd" \
-  || fail "k8s worker command does not pass the auth token"
 for f in $(grep -o -- ' --[a-z][a-z-]*' "$tmp/k8s-server.cmd"); do has_flag "$tmp/server.help" "$f"; done
 grep -q -- '--set "server.server_index=${HOSTNAME##\*-}"' "$tmp/k8s-server.cmd" \
   || fail "k8s server command does not set server_index from the pod ordinal"
@@ -102,7 +114,7 @@ for f in $(grep -A3 'server/ember-server' "$root/deploy/slurm/ember.sbatch" | gr
   has_flag "$tmp/server.help" "$f"
 done
 (cd "$root" && "$server" --config config/ember.toml --set "cluster.servers=n1:7070,n2:7070" \
-  --set cluster.num_workers=8 --set server.server_index=1 --set communication.auth_token=t \
+  --set cluster.num_workers=8 --set server.server_index=1 --set "communication.auth_token_file=$tmp/token" \
   --listen 0.0.0.0:7070 --check-config >/dev/null) \
   || fail "slurm's overrides are refused by --check-config"
 
@@ -174,7 +186,7 @@ PY
 # The server command in the Dockerfile's header: its arguments after the
 # image name, with the mounted file being config/ember.toml, pass
 # --check-config (a 0.0.0.0 listen address needs the token it sets).
-"$py" - "$root" "$tmp/docker-server.args" <<'PY' || fail "deploy/container/Dockerfile: header"
+"$py" - "$root" "$tmp/docker-server.args" "$tmp/token" <<'PY' || fail "deploy/container/Dockerfile: header"
 import shlex, sys
 root, out = sys.argv[1], sys.argv[2]
 lines = open(f"{root}/deploy/container/Dockerfile").read().splitlines()
@@ -187,10 +199,14 @@ for l in lines[start:]:
         continue
     cmd += part
     break
-words = shlex.split(cmd.replace("$EMBER_AUTH_TOKEN", "a-token"))
+words = shlex.split(cmd.replace("$PWD", "/here"))
 args = words[words.index("ember") + 1:]
 assert args[:2] == ["--config", "/etc/ember/ember.toml"], args
 args[1] = f"{root}/config/ember.toml"
+# The token file it mounts, at the path auth_token_file names: this test's.
+mounted = [w for w in words if w.endswith(":/run/secrets/ember-token:ro")]
+assert mounted, "the docker run command does not mount the token file"
+args = [a.replace("/run/secrets/ember-token", sys.argv[3]) for a in args]
 open(out, "w").write("\n".join(args) + "\n")
 PY
 mapfile -t docker_args <"$tmp/docker-server.args"

@@ -44,6 +44,9 @@ Config parse_ok(const std::string& text) {
   return r ? *r : Config{};
 }
 
+// A path as a TOML string literal.
+std::string quote_path(const std::filesystem::path& p) { return "\"" + p.string() + "\""; }
+
 // The lowest CPU this process may run on (tests must not assume CPU 0).
 std::uint32_t first_allowed_cpu() {
   cpu_set_t set;
@@ -124,6 +127,7 @@ heartbeat_timeout = "5s"
 max_message_size = "64MB"
 max_queued_bytes = "1GB"
 auth_token = "s3cr\"et\\ \t ü"
+auth_token_file = ""
 record_pattern = true
 record_path = "/tmp/pattern.bin"
 
@@ -733,6 +737,52 @@ TEST(ConfigFile, ErrorsNameTheFileAndLine) {
   ASSERT_FALSE(r);
   EXPECT_THAT(r.error().message(),
               HasSubstr(path.string() + ":3: key 'communication.channels': 100 is outside"));
+}
+
+// [communication] auth_token_file: the token read from a file (a mounted
+// secret), one trailing newline dropped; never printed; not together with
+// auth_token, in either order of lines or overrides.
+TEST(ConfigFile, AuthTokenFileGivesTheTokenAndIsExclusiveWithAuthToken) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   fmt::format("ember_token_test_{}", ::getpid());
+  std::filesystem::create_directories(dir);
+  const auto token = dir / "token";
+  {
+    std::ofstream out(token);
+    out << "s3cret-from-file\r\n";
+  }
+  const std::string file_line = "auth_token_file = " + quote_path(token) + "\n";
+  Config c = parse_ok("[communication]\n" + file_line);
+  EXPECT_EQ(c.communication.auth_token, "s3cret-from-file");
+  EXPECT_EQ(c.communication.auth_token_file, token.string());
+  const std::string printed = to_toml(c);
+  EXPECT_THAT(printed, Not(HasSubstr("s3cret-from-file")));
+  EXPECT_EQ(parse_ok(printed).communication.auth_token, "s3cret-from-file");  // round trip
+  EXPECT_THAT(parse_error("[communication]\nauth_token = \"x\"\n" + file_line),
+              HasSubstr("cfg.toml:3: key 'communication.auth_token_file': auth_token gives the "
+                        "token already; give auth_token or auth_token_file, not both"));
+  EXPECT_THAT(parse_error("[communication]\n" + file_line + "auth_token = \"x\"\n"),
+              HasSubstr("cfg.toml:3: key 'communication.auth_token': auth_token_file = "));
+  EXPECT_FALSE(set_value(c, "communication.auth_token", "other"));
+  ASSERT_TRUE(set_value(c, "communication.auth_token_file", ""));  // off: the token goes too
+  EXPECT_EQ(c.communication.auth_token, "");
+  ASSERT_TRUE(set_value(c, "communication.auth_token_file", token.string()));
+  EXPECT_EQ(c.communication.auth_token, "s3cret-from-file");
+
+  EXPECT_THAT(parse_error("[communication]\nauth_token_file = \"" + (dir / "missing").string() +
+                          "\"\n"),
+              HasSubstr("cannot open '" + (dir / "missing").string() + "': No such file"));
+  const auto empty = dir / "empty";
+  { std::ofstream out(empty); out << "\n"; }
+  EXPECT_THAT(parse_error("[communication]\nauth_token_file = " + quote_path(empty) + "\n"),
+              HasSubstr("is empty; write the job's token into it"));
+  const auto big = dir / "big";
+  { std::ofstream out(big); out << std::string(1025, 'k'); }
+  EXPECT_THAT(parse_error("[communication]\nauth_token_file = " + quote_path(big) + "\n"),
+              HasSubstr("holds more than 1024 bytes"));
+  EXPECT_THAT(parse_error("[communication]\nauth_token_file = " + quote_path(dir) + "\n"),
+              HasSubstr("cannot read '" + dir.string() + "'"));
+  std::filesystem::remove_all(dir);
 }
 
 // ---------------------------------------------------------------------------
