@@ -312,28 +312,38 @@ Field bool_field(std::string_view table, std::string_view key, std::string_view 
   return f;
 }
 
+// What is wrong with `s` as a string value: not UTF-8, or, for a path, a
+// NUL (a path stops at a NUL for the system: "a\u0000b" would create "a";
+// a token is opaque bytes, sent with its length: a NUL is a byte).
+Problem text_problem(const std::string& s, bool is_path) {
+  if (first_invalid_utf8(s)) return std::string("is not valid UTF-8; write the value as UTF-8 text");
+  if (const auto at = s.find('\0'); is_path && at != std::string::npos) {
+    return fmt::format("holds a NUL character (\\u0000) at byte {}; remove it", at);
+  }
+  return std::nullopt;
+}
+
+// `v` as a string value (text_problem's rules) into `out`, or its problem.
+Problem read_text(const toml::value& v, bool is_path, std::string& out) {
+  if (!v.is_string()) {
+    return fmt::format("must be a string, got {}; write it in double quotes", describe(v));
+  }
+  if (auto p = text_problem(v.as_string().str, is_path)) return p;
+  out = v.as_string().str;
+  return std::nullopt;
+}
+
 template <typename Sub>
 Field string_field(std::string_view table, std::string_view key, std::string_view doc,
                    Member<Sub, std::string> m, bool is_path = false) {
-  auto valid = [is_path](const std::string& s) -> Problem {
-    if (first_invalid_utf8(s)) return std::string("is not valid UTF-8; write the value as UTF-8 text");
-    // A path stops at a NUL for the system ("a\u0000b" would create "a").
-    // (A token is opaque bytes, sent with its length: a NUL is a byte.)
-    if (const auto at = s.find('\0'); is_path && at != std::string::npos) {
-      return fmt::format("holds a NUL character (\\u0000) at byte {}; remove it", at);
-    }
-    return std::nullopt;
-  };
   Field f{table, key, doc, OverrideText::kString};
   f.set = [=](Config& c, const toml::value& v) -> Problem {
-    if (!v.is_string()) {
-      return fmt::format("must be a string, got {}; write it in double quotes", describe(v));
-    }
-    if (auto p = valid(v.as_string().str)) return p;
-    m(c) = v.as_string().str;
+    std::string text;
+    if (auto p = read_text(v, is_path, text)) return p;
+    m(c) = std::move(text);
     return std::nullopt;
   };
-  f.check = [=](const Config& c) { return valid(m(c)); };
+  f.check = [=](const Config& c) { return text_problem(m(c), is_path); };
   f.print = [=](const Config& c) { return quote(m(c)); };
   return f;
 }
@@ -352,11 +362,8 @@ Field auth_token_field() {
           "when auth_token_file gives it",
           OverrideText::kString};
   f.set = [](Config& c, const toml::value& v) -> Problem {
-    if (!v.is_string()) {
-      return fmt::format("must be a string, got {}; write it in double quotes", describe(v));
-    }
-    const std::string& token = v.as_string().str;
-    if (first_invalid_utf8(token)) return std::string("is not valid UTF-8; write the value as UTF-8 text");
+    std::string token;
+    if (auto p = read_text(v, false, token)) return p;
     if (!c.communication.auth_token_file.empty()) {
       if (token.empty()) return std::nullopt;  // as printed: the file's token stays
       return fmt::format("auth_token_file = {} gives the token already; give auth_token or "
@@ -366,15 +373,10 @@ Field auth_token_field() {
     if (token.size() > kMaxAuthTokenBytes) {
       return fmt::format("is {} bytes; at most {}", token.size(), kMaxAuthTokenBytes);
     }
-    c.communication.auth_token = token;
+    c.communication.auth_token = std::move(token);
     return std::nullopt;
   };
-  f.check = [](const Config& c) -> Problem {
-    if (first_invalid_utf8(c.communication.auth_token) && c.communication.auth_token_file.empty()) {
-      return std::string("is not valid UTF-8; write the value as UTF-8 text");
-    }
-    return std::nullopt;
-  };
+  f.check = [](const Config& c) { return text_problem(c.communication.auth_token, false); };
   f.print = [](const Config& c) {
     return c.communication.auth_token_file.empty() ? quote(c.communication.auth_token)
                                                    : std::string("\"\"");
@@ -420,14 +422,8 @@ Field auth_token_file_field() {
           "\"\" = none",
           OverrideText::kString};
   f.set = [](Config& c, const toml::value& v) -> Problem {
-    if (!v.is_string()) {
-      return fmt::format("must be a string, got {}; write it in double quotes", describe(v));
-    }
-    const std::string& path = v.as_string().str;
-    if (first_invalid_utf8(path)) return std::string("is not valid UTF-8; write the value as UTF-8 text");
-    if (const auto at = path.find('\0'); at != std::string::npos) {
-      return fmt::format("holds a NUL character (\\u0000) at byte {}; remove it", at);
-    }
+    std::string path;
+    if (auto p = read_text(v, true, path)) return p;
     CommunicationConfig& comm = c.communication;
     if (path.empty()) {
       if (!comm.auth_token_file.empty()) comm.auth_token.clear();  // it came from the file
@@ -441,7 +437,7 @@ Field auth_token_file_field() {
     auto token = read_auth_token_file(path);
     if (!token) return token.error().message();
     comm.auth_token = std::move(*token);
-    comm.auth_token_file = path;
+    comm.auth_token_file = std::move(path);
     return std::nullopt;
   };
   f.check = [](const Config&) -> Problem { return std::nullopt; };

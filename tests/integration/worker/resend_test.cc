@@ -132,6 +132,13 @@ void step_both(Worker& w0, Worker& w1, int t, std::vector<float>& p0, std::vecto
   ASSERT_TRUE(r1) << "step " << t << ": " << r1.error().to_string();
 }
 
+// Waits for `h`: it must succeed with step (or barrier generation) `step`.
+void expect_done_at(const Handle& h, std::uint64_t step) {
+  auto r = h.wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_EQ(*r, step);
+}
+
 void kill_nine(ServerProcess& server) {
   server.process().signal(SIGKILL);
   ASSERT_TRUE(server.process().wait_exit());
@@ -263,22 +270,15 @@ TEST(WorkerResend, ABarrierReSentAfterItsAnswerWasLostIsNotCountedInTheNext) {
   ASSERT_TRUE(w0 && w1);
   Handle b1 = w1->barrier();
   proxy->hold_replies();
-  auto r0 = w0->barrier().wait();  // both arrived: answered, worker 1's answer held
-  ASSERT_TRUE(r0) << r0.error().to_string();
-  EXPECT_EQ(*r0, 0u);
+  // Both arrived: answered, worker 1's answer held.
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(w0->barrier(), 0));
   proxy->drop_all();  // worker 1 re-sends its barrier on a new connection
-  auto r1 = b1.wait();
-  ASSERT_TRUE(r1) << r1.error().to_string();
-  EXPECT_EQ(*r1, 0u);
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(b1, 0));
   Handle next0 = w0->barrier();
   EXPECT_FALSE(next0.wait_for(500ms)) << "worker 0's second barrier returned alone";
   EXPECT_FALSE(next0.ready());
-  auto n1 = w1->barrier().wait();
-  ASSERT_TRUE(n1) << n1.error().to_string();
-  EXPECT_EQ(*n1, 1u);
-  auto n0 = next0.wait();
-  ASSERT_TRUE(n0) << n0.error().to_string();
-  EXPECT_EQ(*n0, 1u);
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(w1->barrier(), 1));
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(next0, 1));
 }
 
 // barrier() twice before the first finished, on both workers: each call
@@ -295,16 +295,8 @@ TEST(WorkerResend, TwoBarriersInFlightPerWorkerCompleteInOrder) {
   ASSERT_TRUE(w0 && w1);
   Handle a0 = w0->barrier(), b0 = w0->barrier();
   Handle a1 = w1->barrier(), b1 = w1->barrier();
-  for (Handle* h : {&a0, &a1}) {
-    auto r = h->wait();
-    ASSERT_TRUE(r) << r.error().to_string();
-    EXPECT_EQ(*r, 0u);
-  }
-  for (Handle* h : {&b0, &b1}) {
-    auto r = h->wait();
-    ASSERT_TRUE(r) << r.error().to_string();
-    EXPECT_EQ(*r, 1u);
-  }
+  for (const Handle* h : {&a0, &a1}) ASSERT_NO_FATAL_FAILURE(expect_done_at(*h, 0));
+  for (const Handle* h : {&b0, &b1}) ASSERT_NO_FATAL_FAILURE(expect_done_at(*h, 1));
 }
 
 // A worker restarted with the same rank numbers its barriers on from where
@@ -328,12 +320,8 @@ TEST(WorkerResend, ARestartedWorkersFirstBarrierWaitsForTheOthers) {
   ASSERT_TRUE(w1);
   Handle again = w1->barrier();
   EXPECT_FALSE(again.wait_for(500ms)) << "the restarted worker's barrier returned alone";
-  auto r0 = w0->barrier().wait();
-  ASSERT_TRUE(r0) << r0.error().to_string();
-  EXPECT_EQ(*r0, 1u);
-  auto r1 = again.wait();
-  ASSERT_TRUE(r1) << r1.error().to_string();
-  EXPECT_EQ(*r1, 1u);
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(w0->barrier(), 1));
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(again, 1));
 }
 
 // on_worker_loss = "shrink": worker 1's connection is cut, the server leaves
