@@ -149,20 +149,43 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_.expires_after(kSessionTimeout);
     parser_.header_limit(kMaxRequestHeaderBytes);
     parser_.body_limit(kMaxRequestBodyBytes);
-    http::async_read(stream_, buffer_, parser_, [self = shared_from_this()](beast::error_code ec, std::size_t) {
-      if (!ec) {
-        self->respond();
-      } else if (ec == http::error::header_limit || ec == http::error::body_limit) {
-        self->reply(http::status::payload_too_large, "request too large for the metrics endpoint\n");
-      } else if (ec != beast::error::timeout && ec != http::error::end_of_stream &&
-                 ec != asio::error::eof && ec != asio::error::connection_reset &&
-                 ec != asio::error::operation_aborted) {  // evicted, or stopping
-        self->reply(http::status::bad_request, "malformed HTTP request: " + ec.message() + "\n");
+    http::async_read_header(stream_, buffer_, parser_,
+                            [self = shared_from_this()](beast::error_code ec, std::size_t) {
+      if (ec) {
+        self->read_failed(ec);
+        return;
       }
+      // No route needs a body: a client that waits for "100 Continue" before
+      // sending one (curl does, past 1 KiB) gets the final answer at once
+      // instead, as RFC 9110 section 10.1.1 allows, rather than after its
+      // own wait.
+      const auto expect = self->parser_.get()[http::field::expect];
+      if (beast::iequals(expect, "100-continue")) {
+        self->respond();
+        return;
+      }
+      http::async_read(self->stream_, self->buffer_, self->parser_,
+                       [self](beast::error_code read_ec, std::size_t) {
+        if (read_ec) {
+          self->read_failed(read_ec);
+        } else {
+          self->respond();
+        }
+      });
     });
   }
 
  private:
+  void read_failed(beast::error_code ec) {
+    if (ec == http::error::header_limit || ec == http::error::body_limit) {
+      reply(http::status::payload_too_large, "request too large for the metrics endpoint\n");
+    } else if (ec != beast::error::timeout && ec != http::error::end_of_stream &&
+               ec != asio::error::eof && ec != asio::error::connection_reset &&
+               ec != asio::error::operation_aborted) {  // evicted, or stopping
+      reply(http::status::bad_request, "malformed HTTP request: " + ec.message() + "\n");
+    }
+  }
+
   void respond() {
     reading_ = false;
     const http::request<http::string_body>& request = parser_.get();
