@@ -13,8 +13,7 @@ BarrierCore::BarrierCore(std::uint32_t num_workers, proto::LossPolicy policy,
                          std::chrono::nanoseconds worker_timeout,
                          std::shared_ptr<BarrierNumbers> numbers)
     : membership_(num_workers, policy, worker_timeout),
-      arrived_(num_workers),
-      later_(num_workers),
+      waiting_(num_workers),
       answered_(num_workers),
       numbers_(std::move(numbers)) {
   EMBER_CHECK_MSG(!numbers_ || numbers_->size() == num_workers, "{} numbers for {} workers",
@@ -23,103 +22,101 @@ BarrierCore::BarrierCore(std::uint32_t num_workers, proto::LossPolicy policy,
 
 void BarrierCore::on_barrier(const Request& request, TimePoint /*now*/, ReplySink& sink) {
   const std::uint32_t rank = request.header.worker_rank;
-  EMBER_CHECK_MSG(rank < arrived_.size(), "rank {} of {}", rank, arrived_.size());
-  if (answered_[rank] && answered_[rank]->number == request.header.step) {
+  EMBER_CHECK_MSG(rank < waiting_.size(), "rank {} of {}", rank, waiting_.size());
+  const std::uint64_t number = request.header.step;
+  const auto& answered = answered_[rank];
+  if (!answered.empty() && number <= answered.back().number) {
     // Answered already; the answer went with the connection it was sent on.
     // Counted in the open generation, it would release the others one
     // barrier early and leave this rank's next barrier waiting alone.
+    const auto it = std::find_if(answered.begin(), answered.end(),
+                                 [&](const Answered& a) { return a.number == number; });
+    if (it == answered.end()) {
+      sink.error(request.to, request.header,
+                 Error(ErrorCode::kInvalidArgument,
+                       fmt::format("barrier number {} of worker {} is older than the {} it "
+                                   "answered last that are kept (the newest is number {}); a "
+                                   "barrier is re-sent only while it is recent",
+                                   number, rank, answered.size(), answered.back().number)));
+      return;
+    }
     proto::Header reply = proto::reply_header(request.header);
-    reply.step = answered_[rank]->generation;
+    reply.step = it->generation;
     sink.reply(request.to, reply, {});
     return;
   }
-  auto& queued = later_[rank];
-  if (arrived_[rank] && request.header.step > arrived_[rank]->header.step) {
-    // The rank's next barrier while its previous one waits (Worker::barrier
-    // called again before the first finished): it waits for the next
-    // generation, in number order. A re-send of a queued one replaces it.
-    for (Request& q : queued) {
-      if (q.header.step == request.header.step) {
-        q = request;
-        return;
-      }
-    }
-    if (queued.size() >= kMaxQueuedPerRank) {
-      sink.error(request.to, request.header,
-                 Error(ErrorCode::kInvalidArgument,
-                       fmt::format("worker {} has {} barriers waiting already; wait for one "
-                                   "before calling barrier() again",
-                                   rank, queued.size() + 1)));
-      return;
-    }
-    const auto at = std::find_if(queued.begin(), queued.end(), [&](const Request& q) {
-      return q.header.step > request.header.step;
-    });
-    queued.insert(at, request);
+  // Its barriers waiting, in number order: the first is in the open
+  // generation, the others (barrier() called again before one finished)
+  // wait for the next ones. A re-send of a waiting one replaces it.
+  auto& waiting = waiting_[rank];
+  const auto at = std::find_if(waiting.begin(), waiting.end(), [&](const Request& q) {
+    return q.header.step >= number;
+  });
+  if (at != waiting.end() && at->header.step == number) {
+    *at = request;
     return;
   }
-  arrived_[rank] = request;  // the open generation's (a re-send replaces it)
+  if (waiting.size() >= kMaxWaitingPerRank) {
+    sink.error(request.to, request.header,
+               Error(ErrorCode::kInvalidArgument,
+                     fmt::format("worker {} has {} barriers waiting already; wait for one "
+                                 "before calling barrier() again",
+                                 rank, waiting.size())));
+    return;
+  }
+  waiting.insert(at, request);
   settle(sink);
 }
 
 void BarrierCore::settle(ReplySink& sink) {
-  bool any = false;
-  std::optional<std::uint32_t> failed;
-  bool complete = true;
-  for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
-    if (arrived_[r]) {
-      any = true;
-      continue;
+  for (;;) {
+    bool any = false;
+    std::optional<std::uint32_t> failed;
+    bool complete = true;
+    for (std::uint32_t r = 0; r < waiting_.size(); ++r) {
+      if (!waiting_[r].empty()) {
+        any = true;
+        continue;
+      }
+      if (membership_.excluded(r)) continue;
+      complete = false;
+      if (membership_.failed(r) && !failed) failed = r;
     }
-    if (membership_.excluded(r)) continue;
-    complete = false;
-    if (membership_.failed(r) && !failed) failed = r;
-  }
-  if (!any) return;
-  if (complete) {
-    for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
-      auto& a = arrived_[r];
-      if (!a) continue;
-      proto::Header reply = proto::reply_header(a->header);
-      reply.step = generation_;
-      sink.reply(a->to, reply, {});
-      answered_[r] = Answered{a->header.step, generation_};
-      if (numbers_) (*numbers_)[r].store(a->header.step + 1, std::memory_order_release);
-      a.reset();
+    if (!any) return;
+    if (complete) {
+      for (std::uint32_t r = 0; r < waiting_.size(); ++r) {
+        if (waiting_[r].empty()) continue;
+        const Request& a = waiting_[r].front();
+        proto::Header reply = proto::reply_header(a.header);
+        reply.step = generation_;
+        sink.reply(a.to, reply, {});
+        answered_[r].push_back(Answered{a.header.step, generation_});
+        if (answered_[r].size() > kAnsweredKept) answered_[r].pop_front();
+        if (numbers_) (*numbers_)[r].store(a.header.step + 1, std::memory_order_release);
+        waiting_[r].pop_front();
+      }
+      ++generation_;
+      continue;  // barriers sent ahead may complete the next generation at once
     }
-    ++generation_;
-    // Barriers the ranks sent ahead enter the new generation, which they
-    // may complete at once.
-    bool moved = false;
-    for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
-      if (later_[r].empty()) continue;
-      arrived_[r] = std::move(later_[r].front());
-      later_[r].pop_front();
-      moved = true;
+    if (failed) {
+      const Error err = membership_.failure_error(*failed, fmt::format("barrier {}", generation_));
+      for (auto& waiting : waiting_) {
+        for (const Request& q : waiting) sink.error(q.to, q.header, err);
+        waiting.clear();
+      }
     }
-    if (moved) settle(sink);
     return;
-  }
-  if (failed) {
-    const Error err = membership_.failure_error(*failed, fmt::format("barrier {}", generation_));
-    for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
-      if (!arrived_[r]) continue;
-      sink.error(arrived_[r]->to, arrived_[r]->header, err);
-      arrived_[r].reset();
-      for (const Request& q : later_[r]) sink.error(q.to, q.header, err);
-      later_[r].clear();
-    }
   }
 }
 
 void BarrierCore::on_worker_lost(std::uint32_t rank, TimePoint now, ReplySink& sink,
                                  Departure how) {
-  if (rank >= arrived_.size()) return;
+  if (rank >= waiting_.size()) return;
   if (membership_.lost(rank, now, how)) settle(sink);
 }
 
 void BarrierCore::on_worker_back(std::uint32_t rank) {
-  if (rank >= arrived_.size()) return;
+  if (rank >= waiting_.size()) return;
   membership_.back(rank);
 }
 
@@ -128,22 +125,14 @@ void BarrierCore::on_tick(TimePoint now, ReplySink& sink) {
 }
 
 void BarrierCore::drop_connection(std::uint64_t connection_id) {
-  for (std::uint32_t r = 0; r < arrived_.size(); ++r) {
-    std::erase_if(later_[r], [&](const Request& q) { return q.to.connection_id == connection_id; });
-    if (arrived_[r] && arrived_[r]->to.connection_id == connection_id) {
-      arrived_[r].reset();
-      // What it sent ahead on a live connection waits in its place.
-      if (!later_[r].empty()) {
-        arrived_[r] = std::move(later_[r].front());
-        later_[r].pop_front();
-      }
-    }
+  for (auto& waiting : waiting_) {
+    std::erase_if(waiting, [&](const Request& q) { return q.to.connection_id == connection_id; });
   }
 }
 
 std::uint32_t BarrierCore::num_waiting() const noexcept {
   std::uint32_t n = 0;
-  for (const auto& a : arrived_) n += a ? 1 : 0;
+  for (const auto& w : waiting_) n += w.empty() ? 0 : 1;
   return n;
 }
 

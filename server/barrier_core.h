@@ -7,12 +7,12 @@
 // arrived, with the barrier's generation number in the reply's step, then
 // opens the next generation. A rank that arrives twice in one generation (a
 // re-send after a reconnect, before the answer) replaces its earlier request.
-// A barrier whose number is the rank's last answered one (a re-send whose
-// answer was lost with its connection) is answered again at once with that
-// generation, and not counted in the open one. A barrier with a higher
-// number than the rank's waiting one (barrier() called again before the
-// first finished) waits for the next generation (at most 16 such per rank;
-// more get kInvalidArgument).
+// A barrier whose number the rank had answered already (a re-send whose
+// answer was lost with its connection; the last 17 are kept) is answered
+// again at once with its generation, and not counted in the open one. A
+// rank's barriers that wait (barrier() called again before the first
+// finished) enter the generations in number order, at most 16 per rank
+// (more get kInvalidArgument).
 // If a missing rank is failed (policy fail, or wait past worker_timeout), the
 // waiting ranks get ErrorCode::kWorkerLost and the generation stays open.
 //
@@ -64,14 +64,16 @@ class BarrierCore {
     std::uint64_t number = 0;      // the request's step
     std::uint64_t generation = 0;  // the reply's step
   };
+  static constexpr std::size_t kMaxWaitingPerRank = 16;
+  static constexpr std::size_t kAnsweredKept = kMaxWaitingPerRank + 1;
 
   Membership membership_;
-  std::vector<std::optional<Request>> arrived_;
-  // Per rank: its barriers with higher numbers than its arrived one (sent
-  // before that one finished), in number order, for the next generations.
-  std::vector<std::deque<Request>> later_;
-  static constexpr std::size_t kMaxQueuedPerRank = 16;
-  std::vector<std::optional<Answered>> answered_;  // per rank: its last answered barrier
+  // Per rank: its barriers waiting, in number order; the first is in the
+  // open generation.
+  std::vector<std::deque<Request>> waiting_;
+  // Per rank: its last answered barriers (at most kAnsweredKept), oldest
+  // first.
+  std::vector<std::deque<Answered>> answered_;
   std::shared_ptr<BarrierNumbers> numbers_;
   std::uint64_t generation_ = 0;
 };

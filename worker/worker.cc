@@ -433,7 +433,9 @@ struct Worker::Impl {
   // The number the next barrier() carries (server 0's BarrierCore tells a
   // re-sent barrier from the next one by it): seeded from server 0's first
   // join reply, so a restarted worker goes on where its predecessor stopped.
-  std::atomic<std::uint64_t> barrier_count{0};
+  // Shared with the barrier operations, which may finish after the Worker.
+  std::shared_ptr<std::atomic<std::uint64_t>> barrier_count =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
   std::atomic<bool> barrier_seeded{false};
 
   mutable std::shared_mutex keys_mutex;
@@ -671,8 +673,10 @@ struct Worker::Impl {
   Handle init_key(Key key, std::span<const std::uint64_t> shape, std::span<const float> values);
   Handle tensor_op(proto::MsgType type, Key key, std::span<const float> gradient,
                    std::span<float> out, std::optional<std::uint64_t> step, bool pipelined);
+  // `before_done`: Op::before_done of the operation (set before it is sent).
   Handle broadcast(proto::MsgType type, std::span<const std::byte> payload, proto::DType dtype,
-                   std::uint64_t num_elements, bool server0_only, std::uint64_t step);
+                   std::uint64_t num_elements, bool server0_only, std::uint64_t step,
+                   std::function<void(const Result<std::uint64_t>&)> before_done = {});
 
   void timer_loop();
 };
@@ -1070,7 +1074,7 @@ Status Worker::Impl::join(ServerLink& link, std::uint64_t gen) {
   }
   EMBER_TRY(check_same_settings(link, body, gen));
   if (link.index == 0 && !barrier_seeded.exchange(true)) {
-    barrier_count.store(*r, std::memory_order_relaxed);  // before any barrier(): create() joins
+    barrier_count->store(*r, std::memory_order_relaxed);  // before any barrier(): create() joins
   }
   const std::string_view server_consistency =
       proto::consistency_name(static_cast<proto::Consistency>(body.consistency));
@@ -2275,10 +2279,12 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
 
 Handle Worker::Impl::broadcast(proto::MsgType type, std::span<const std::byte> payload,
                                proto::DType dtype, std::uint64_t num_elements, bool server0_only,
-                               std::uint64_t step) {
+                               std::uint64_t step,
+                               std::function<void(const Result<std::uint64_t>&)> before_done) {
   const std::uint32_t n = server0_only ? 1 : static_cast<std::uint32_t>(servers.size());
   auto op = new_op(n, fmt::format("{} to {}", proto::msg_type_name(type),
                                   server0_only ? "server 0" : "every server"));
+  op->before_done = std::move(before_done);
   std::shared_ptr<const std::vector<std::byte>> owned;
   if (!payload.empty()) owned = std::make_shared<const std::vector<std::byte>>(payload.begin(), payload.end());
   for (std::uint32_t s = 0; s < n; ++s) {
@@ -2399,8 +2405,19 @@ Handle Worker::push_pull(Key key, std::span<const float> gradient, std::span<flo
 }
 
 Handle Worker::barrier() {
-  const std::uint64_t n = impl_->barrier_count.fetch_add(1, std::memory_order_relaxed);
-  return impl_->broadcast(proto::MsgType::kBarrier, {}, proto::DType::kNone, 0, true, n);
+  auto count = impl_->barrier_count;
+  const std::uint64_t n = count->fetch_add(1, std::memory_order_relaxed);
+  // A failed barrier (timed out, lost, refused) gives its number back when no
+  // later one was issued, as a failed push gives its step back: the caller's
+  // retry is the same barrier to server 0 (which replaces it if it still
+  // waits, or answers it again if it completed meanwhile), not the next one,
+  // which would leave this worker a barrier behind the others for good.
+  return impl_->broadcast(proto::MsgType::kBarrier, {}, proto::DType::kNone, 0, true, n,
+                          [count, n](const Result<std::uint64_t>& r) {
+                            if (r) return;
+                            std::uint64_t expected = n + 1;
+                            count->compare_exchange_strong(expected, n, std::memory_order_acq_rel);
+                          });
 }
 
 Handle Worker::set_learning_rate(double learning_rate) {

@@ -253,7 +253,8 @@ class Worker {
   // server, a step more than 64 steps past the key's open round: pull
   // first), kShapeMismatch,
   // kStale (bsp: the step's round closed without this worker, e.g. left
-  // out by on_worker_loss = "shrink" while it was lost; step(key) moves up
+  // out by on_worker_loss = "shrink" while it was lost; ssp: a step this
+  // worker skipped when it came back after such a loss; step(key) moves up
   // to the server's step: pull, then push from there), kOutOfStep (bsp: the server is
   // at an earlier step for this worker, e.g. restored from an older
   // checkpoint; step(key) is now the server's step, see "Out of step"),
@@ -279,7 +280,14 @@ class Worker {
   Handle push_pull(Key key, std::span<const float> gradient, std::span<float> out,
                    std::uint64_t step);
 
-  // Errors: kWorkerLost (a worker is gone, per on_worker_loss), kClosed, kTimeout.
+  // Returns the barrier's generation (0, 1, ... since server 0 started).
+  // Barriers are numbered per worker (a restarted worker goes on from its
+  // predecessor's number): server 0 answers a re-sent one once, and a
+  // worker's barriers called before the previous ones finished enter the
+  // following generations in order. A failed barrier gives its number back
+  // (when no later one was issued), so a retry is the same barrier.
+  // Errors: kWorkerLost (a worker is gone, per on_worker_loss), kClosed,
+  // kTimeout, kInvalidArgument (16 of this worker's barriers wait already).
   Handle barrier();
   // Errors: kInvalidArgument (lr <= 0 or not finite), kClosed, kTimeout.
   Handle set_learning_rate(double learning_rate);

@@ -299,6 +299,31 @@ TEST(WorkerResend, TwoBarriersInFlightPerWorkerCompleteInOrder) {
   for (const Handle* h : {&b0, &b1}) ASSERT_NO_FATAL_FAILURE(expect_done_at(*h, 1));
 }
 
+// A barrier that timed out gives its number back: the caller's retry is
+// the same barrier (server 0 replaces the one still waiting), so the job's
+// barriers stay paired; had the retry taken the next number, it would wait
+// a generation behind the other worker for good.
+TEST(WorkerResend, ARetriedTimedOutBarrierIsTheSameBarrier) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.worker_timeout = "20s";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w0 = make_worker(spec, server.address(), 0, {{"worker.request_timeout", "1s"}});
+  auto w1 = make_worker(spec, server.address(), 1);
+  ASSERT_TRUE(w0 && w1);
+  auto timed_out = w0->barrier().wait();
+  ASSERT_FALSE(timed_out);
+  EXPECT_EQ(timed_out.error().code(), ErrorCode::kTimeout) << timed_out.error().to_string();
+  Handle retry = w0->barrier();
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(w1->barrier(), 0));
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(retry, 0));
+  Handle next1 = w1->barrier();
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(w0->barrier(), 1));
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(next1, 1));
+}
+
 // A worker restarted with the same rank numbers its barriers on from where
 // its predecessor stopped (server 0's join reply): its first barrier is the
 // job's next one, not a re-send of the predecessor's answered one.

@@ -1164,6 +1164,59 @@ TEST(BarrierCore, ABarrierSentAheadWaitsForTheNextGeneration) {
   EXPECT_EQ(b.generation(), 2u);
 }
 
+// Two answered barriers re-sent (both answers lost with one connection):
+// each is answered with its own generation from the history, neither is
+// counted in the open generation, and a number older than the history kept
+// is refused by name.
+TEST(BarrierCore, EveryReSentAnsweredBarrierIsAnsweredFromItsHistory) {
+  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1));
+  RecordingSink sink;
+  for (std::uint64_t n = 0; n < 20; ++n) {
+    b.on_barrier(req(MsgType::kBarrier, 0, 0, n, 0), kT0, sink);
+    b.on_barrier(req(MsgType::kBarrier, 1, 0, n, 0), kT0, sink);
+  }
+  ASSERT_EQ(sink.sent.size(), 40u);
+  EXPECT_EQ(b.generation(), 20u);
+  sink.sent.clear();
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 18, 0, 7), kT0, sink);
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 19, 0, 7), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);
+  EXPECT_EQ(sink.sent[0].header.step, 18u);
+  EXPECT_EQ(sink.sent[1].header.step, 19u);
+  EXPECT_EQ(b.num_waiting(), 0u);
+  EXPECT_EQ(b.generation(), 20u);
+  sink.sent.clear();
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0, 7), kT0, sink);  // older than kept
+  ASSERT_EQ(sink.sent.size(), 1u);
+  ASSERT_TRUE(sink.sent[0].is_error);
+  EXPECT_EQ(sink.sent[0].error.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(sink.sent[0].error.message().find("barrier number 0 of worker 1"), std::string::npos)
+      << sink.sent[0].error.message();
+}
+
+// A re-send of a waiting barrier replaces that one only: a lower number
+// re-sent does not take the place of a newer one waiting behind it, and the
+// generations still pair each rank's barriers in number order.
+TEST(BarrierCore, AReSentWaitingBarrierReplacesOnlyItsOwnNumber) {
+  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1));
+  RecordingSink sink;
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 1, 0), kT0, sink);
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0, 9), kT0, sink);  // re-send of number 0
+  EXPECT_TRUE(sink.sent.empty());
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);
+  for (auto& s : sink.sent) EXPECT_EQ(s.header.step, 0u);
+  const auto to_rank0 = std::find_if(sink.sent.begin(), sink.sent.end(),
+                                     [](const auto& s) { return s.header.worker_rank == 0; });
+  ASSERT_NE(to_rank0, sink.sent.end());
+  EXPECT_EQ(to_rank0->to.connection_id, 9u);  // the re-send's connection
+  sink.sent.clear();
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 1, 0), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);  // rank 0's number 1 was still waiting
+  for (auto& s : sink.sent) EXPECT_EQ(s.header.step, 1u);
+}
+
 TEST(BarrierCore, ShrinkReleasesWithoutLostRank) {
   BarrierCore b(2, proto::LossPolicy::kShrink, std::chrono::seconds(1));
   RecordingSink sink;
