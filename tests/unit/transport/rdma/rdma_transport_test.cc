@@ -76,6 +76,19 @@ struct Side {
   }
 };
 
+// Destroys the sides' transports where it goes out of scope: ~Transport
+// closes their connections (on_closed runs) and joins their I/O threads.
+// Declared after the Inboxes and the state their handlers touch, it runs
+// before those are destroyed, so no callback still running (an Inbox records
+// a message after its `also` ran, which is what a test may wait on) or still
+// to come (on_closed) meets a destroyed one.
+struct StopTransports {
+  std::vector<Side*> sides;
+  ~StopTransports() {
+    for (Side* s : sides) s->transport.reset();
+  }
+};
+
 // Counters of both ends, for failure messages.
 std::string dump(const char* who, Connection& c) {
   const ConnectionStats s = c.stats();
@@ -109,6 +122,7 @@ TEST_P(RdmaSuite, EverySizeArrivesIntactAndInOrderPerChannel) {
   auto server = Side::make(GetParam().pool_receive, 2, 96);
   auto client = Side::make(GetParam().pool_receive, 2, 96);
   Inbox server_in, client_in;
+  StopTransports stop{{server.get(), client.get()}};
   auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
                                             server_in.handlers());
   ASSERT_TRUE(listener) << listener.error().to_string();
@@ -202,6 +216,7 @@ TEST_P(RdmaSuite, ManySmallMessagesKeepOrderFromConcurrentSenders) {
     if (!v.empty() && v.back() + 1 != seq) in_order = false;
     v.push_back(seq);
   };
+  StopTransports stop{{server.get(), client.get()}};
   auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
                                             server_in.handlers());
   ASSERT_TRUE(listener);
@@ -306,6 +321,7 @@ TEST_P(RdmaSuite, HundredKeysInOnePushArriveWithEveryHeaderFieldIntact) {
     cv.notify_all();
   };
   Inbox client_in;
+  StopTransports stop{{server.get(), client.get()}};
   auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
                                             server_in.handlers());
   ASSERT_TRUE(listener);
@@ -391,6 +407,7 @@ TEST_P(RdmaSuite, ConcurrentPushesAndPullsOfMixedSizesKeepBoundariesAndValues) {
     const std::uint64_t index = client_in.count(m.channel) - 1;
     if (transport::testing::check_pattern(m.bytes, m.channel + 10, index)) reply_bad[m.channel]++;
   };
+  StopTransports stop{{server.get(), client.get()}};
   auto conn = client->transport->connect((*listener)->address(), {Role::kWorker, 1}, client_in.handlers());
   ASSERT_TRUE(conn) << conn.error().to_string();
   std::vector<std::thread> threads;
@@ -427,6 +444,7 @@ TEST_P(RdmaSuite, RepeatedSizesReuseGrantedSlotsAndChangedSizesAskAgain) {
   auto client = Side::make(GetParam().pool_receive, 1, 24);
   Inbox server_in, client_in;
   server_in.check_pattern_bytes = false;
+  StopTransports stop{{server.get(), client.get()}};
   auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
                                             server_in.handlers());
   ASSERT_TRUE(listener);
@@ -487,6 +505,7 @@ TEST_P(RdmaSuite, StalledReceiverPushesBackAndLosesNothing) {
     std::unique_lock lock(gate_mu);
     gate_cv.wait_for(lock, 60s, [&] { return open; });
   };
+  StopTransports stop{{server.get(), client.get()}};
   auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
                                             server_in.handlers());
   ASSERT_TRUE(listener);
@@ -583,6 +602,7 @@ class RdmaErrors : public ::testing::Test {
 TEST_F(RdmaErrors, RejectedConnectionsAreErrorsNotHangs) {
   auto server = Side::make(true, 2, 16);
   Inbox server_in;
+  StopTransports stop{{server.get()}};
   auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
                                             server_in.handlers());
   ASSERT_TRUE(listener);
@@ -644,6 +664,7 @@ TEST_F(RdmaErrors, RejectedConnectionsAreErrorsNotHangs) {
   // The listener still works after all that.
   auto good = Side::make(true, 2, 16);
   Inbox in;
+  StopTransports stop_good{{good.get()}};
   auto c = good->transport->connect((*listener)->address(), {Role::kWorker, 1}, in.handlers());
   ASSERT_TRUE(c) << c.error().to_string();
   ASSERT_TRUE(server_in.wait_accepted(1));
@@ -679,6 +700,7 @@ TEST_F(RdmaErrors, DestroyingTheTransportCutsShortAConnectWaitingOnTheCm) {
 TEST_F(RdmaErrors, PeerKilledWhileSendingToUsIsAnErrorNotAHang) {
   auto server = Side::make(true, 1, 32);
   Inbox server_in;
+  StopTransports stop{{server.get()}};
   server_in.check_pattern_bytes = false;
   auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
                                             server_in.handlers());
@@ -701,6 +723,7 @@ TEST_F(RdmaErrors, PeerKilledWhileWeSendIsAnErrorNotAHang) {
   co.max_queued_bytes = 16u << 20;  // the sender waits before the pool runs dry
   auto client = Side::make(true, 1, 32, co);
   Inbox in;
+  StopTransports stop_client{{client.get()}};
   auto conn = client->transport->connect(*listening, {Role::kWorker, 0}, in.handlers());
   ASSERT_TRUE(conn) << conn.error().to_string();
   std::atomic<bool> stop{false};
