@@ -5,14 +5,15 @@
 //   ember-server --config FILE --print-config     print the effective config and exit
 //
 // Runs until SIGTERM, SIGINT or SIGHUP (the terminal or ssh session that
-// started it went away), then drains, writes a final checkpoint (when
+// started it went away; not when started with SIGHUP ignored, as under
+// nohup), then drains, writes a final checkpoint (when
 // server.checkpoint_dir is set) and exits 0; another of these signals more
 // than 2 s after the first exits at once (128 + the signal number) without
 // the checkpoint.
 // A stop signal during start-up stops it before the ready line. Under systemd (NOTIFY_SOCKET
-// set) it reports READY=1 once listening and pings WATCHDOG=1 at half the
-// watchdog interval while every shard thread takes requests (a liveness
-// probe per tick: Server::check_liveness). Once listening it prints one line to stdout:
+// set) it reports READY=1 once listening and pings WATCHDOG=1 every quarter
+// of the watchdog interval, withholding the ping while a shard thread has
+// left its liveness probe (Server::check_liveness) waiting for two ticks. Once listening it prints one line to stdout:
 //   ember-server ready listen=127.0.0.1:7070 metrics=127.0.0.1:9100
 // (scripts and tests wait for it; "metrics=" is empty when metrics are off).
 // This is the program's one top-level catch: exceptions from CLI11 and any
@@ -64,15 +65,19 @@ void notify(const std::string& state) {
 // of years would overflow the nanoseconds of the wait.
 constexpr std::chrono::seconds kLongestTick{3600};
 
-// Watchdog ping interval: half of WATCHDOG_USEC when systemd asks for pings
-// (at most kLongestTick); 0 when it does not.
-std::chrono::microseconds watchdog_interval() {
+// Watchdog tick: a quarter of WATCHDOG_USEC when systemd asks for pings (at
+// most kLongestTick); 0 when it does not. A shard thread stuck from just
+// after one tick fails the check two ticks later, half the interval, and
+// systemd restarts the server one interval after the last ping: at most
+// 1.25 intervals after the shard stuck. A stall shorter than a tick (a large
+// optimizer step) withholds nothing.
+std::chrono::microseconds watchdog_tick() {
 #ifdef EMBER_HAVE_SYSTEMD
   std::uint64_t usec = 0;
   if (sd_watchdog_enabled(0, &usec) > 0 && usec > 0) {
-    const std::uint64_t half = usec / 2;
+    const std::uint64_t quarter = usec / 4;
     const std::uint64_t longest = std::chrono::microseconds(kLongestTick).count();
-    return std::chrono::microseconds(std::max<std::uint64_t>(1, std::min(half, longest)));
+    return std::chrono::microseconds(std::max<std::uint64_t>(1, std::min(quarter, longest)));
   }
 #endif
   return std::chrono::microseconds(0);
@@ -187,8 +192,13 @@ int run(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
   // A hangup would otherwise end the process by default action, without the
-  // drain or the final checkpoint, losing pushes already applied.
-  sigaddset(&stop_signals, SIGHUP);
+  // drain or the final checkpoint, losing pushes already applied. Started
+  // with SIGHUP ignored (nohup, or a supervisor that asks for it), it keeps
+  // running when its terminal goes away, as asked.
+  struct sigaction hup {};
+  const bool stops_on_hup = sigaction(SIGHUP, nullptr, &hup) != 0 || hup.sa_handler != SIG_IGN;
+  if (stops_on_hup) sigaddset(&stop_signals, SIGHUP);
+  const char* const stop_names = stops_on_hup ? "SIGTERM, SIGINT or SIGHUP" : "SIGTERM or SIGINT";
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   auto server = ember::server::Server::create(config);
@@ -208,7 +218,7 @@ int run(int argc, char** argv) {
   const timespec now{};
   int signal_number = sigtimedwait(&stop_signals, nullptr, &now);
   if (signal_number < 0) signal_number = 0;
-  const auto watchdog = watchdog_interval();
+  const auto watchdog = watchdog_tick();
   if (signal_number == 0) {
     std::printf("ember-server ready listen=%s metrics=%s\n", (*server)->address().c_str(),
                 (*server)->metrics_address().c_str());
@@ -216,6 +226,7 @@ int run(int argc, char** argv) {
     notify(fmt::format("READY=1\nSTATUS=serving on {}", (*server)->address()));
   }
   bool withheld = false;  // the last watchdog ping was withheld
+  int failed_checks = 0;  // consecutive ticks with a probe still waiting
   const std::chrono::nanoseconds tick =
       watchdog.count() > 0 ? std::chrono::nanoseconds(watchdog) : std::chrono::nanoseconds(kLongestTick);
   while (signal_number == 0) {
@@ -227,31 +238,34 @@ int run(int argc, char** argv) {
       signal_number = s;
     } else if (errno != EAGAIN && errno != EINTR) {
       // Never spin: wait without a timeout (and without watchdog pings).
-      log->error("sigtimedwait failed ({}); waiting for SIGTERM/SIGINT/SIGHUP without watchdog pings",
-                 std::strerror(errno));
+      log->error("sigtimedwait failed ({}); waiting for {} without watchdog pings",
+                 std::strerror(errno), stop_names);
       if (sigwait(&stop_signals, &signal_number) != 0) signal_number = SIGTERM;
       break;
     }
     if (watchdog.count() > 0 && signal_number == 0) {
       // A ping says the server works, not only that this thread runs: it
-      // is withheld while a shard thread takes no request for a whole tick,
-      // so that systemd restarts a server stuck there (WatchdogSec).
-      if (auto live = (*server)->check_liveness(); live) {
+      // is withheld while a shard thread has taken no request for two
+      // ticks, so that systemd restarts a server stuck there (WatchdogSec).
+      auto live = (*server)->check_liveness();
+      failed_checks = live ? 0 : failed_checks + 1;
+      if (failed_checks < 2) {
         if (withheld) log->info("shard threads answer again: watchdog pings resume");
         withheld = false;
         notify("WATCHDOG=1");
       } else if (!withheld) {
         withheld = true;
-        log->error("{}: withholding the watchdog ping; systemd restarts the server if this lasts "
-                   "WatchdogSec",
-                   live.error().message());
+        log->error("{}, for {} checks {} ms apart: withholding the watchdog ping; systemd "
+                   "restarts the server if this lasts WatchdogSec",
+                   live.error().message(), failed_checks,
+                   std::chrono::duration_cast<std::chrono::milliseconds>(tick).count());
         notify(fmt::format("STATUS=watchdog ping withheld: {}", live.error().message()));
       }
     }
   }
-  log->info("received {}: stopping (another SIGTERM, SIGINT or SIGHUP after 2 s stops at once, "
-            "without the final checkpoint)",
-            signal_name(signal_number));
+  log->info("received {}: stopping (another {} after 2 s stops at once, without the final "
+            "checkpoint)",
+            signal_name(signal_number), stop_names);
   notify("STOPPING=1");
   // A second stop signal during the drain and the final checkpoint (say a
   // hung one) ends the process at once, as operators expect of Ctrl-C twice.

@@ -1743,8 +1743,8 @@ Status Server::check_liveness() {
   }
   if (stuck.empty()) return ok_status();
   return make_error(ErrorCode::kTimeout,
-                    "shard thread(s) {} of server {} took no request since the last watchdog "
-                    "tick (stuck in one request, or starved of CPU)",
+                    "shard thread(s) {} of server {} took no request since the previous "
+                    "liveness check (stuck in one request, or starved of CPU)",
                     fmt::join(stuck, ", "), impl_->config.server.server_index);
 }
 

@@ -76,7 +76,8 @@ class Server {
   // only after it passes): whether every shard thread took the probe posted
   // at the previous call; then posts the next ones (a shard whose probe is
   // still queued gets none). Call it from one thread, once per watchdog
-  // tick: a shard stuck for a whole tick fails it. The first call passes.
+  // tick (ember-server withholds the ping after two failures in a row): a
+  // shard stuck for a whole tick fails it. The first call passes.
   // Covers the shard threads, not the transport's I/O threads. Errors:
   // kTimeout naming the shards whose probe is still queued.
   Status check_liveness();

@@ -2179,6 +2179,15 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
         fmt::format("{} of key {}: the tensor has {} elements but {} were given", proto::msg_type_name(type),
                     key, ks->num_elements, sends ? gradient.size() : out.size())));
   }
+  if (step && *step > kLargestStep) {
+    // A reply naming such a step is refused as a broken server (see
+    // handle_reply), and a key's counter moved there could not go on.
+    return Handle::failed(Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("{} of key {}: step {} is past the largest step {}; steps count training "
+                    "iterations from 0",
+                    proto::msg_type_name(type), key, *step, kLargestStep)));
+  }
   // Counted before the step is taken, so a pull on another thread never
   // sees the step advanced without the push that advanced it.
   if (sends) ks->pushes_unanswered.fetch_add(1, std::memory_order_acq_rel);

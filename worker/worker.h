@@ -249,8 +249,8 @@ class Worker {
   Handle init(Key key, std::span<const std::uint64_t> shape, std::span<const float> values);
 
   // Errors: kNotFound (key not init-ed by this worker, or its init failed,
-  // or unknown on the server), kInvalidArgument (gradient.size() != elements; or, from the
-  // server, a step more than 64 steps past the key's open round: pull
+  // or unknown on the server), kInvalidArgument (gradient.size() != elements;
+  // an explicit step above 2^53; or, from the server, a step more than 64 steps past the key's open round: pull
   // first), kShapeMismatch,
   // kStale (bsp: the step's round closed without this worker, e.g. left
   // out by on_worker_loss = "shrink" while it was lost; ssp: a step this
@@ -265,8 +265,8 @@ class Worker {
   Handle push(Key key, std::span<const float> gradient);
   Handle push(Key key, std::span<const float> gradient, std::uint64_t step);
 
-  // Errors: kNotFound, kInvalidArgument (out.size() != elements),
-  // kWorkerLost (a worker this step needs is gone, per on_worker_loss),
+  // Errors: kNotFound, kInvalidArgument (out.size() != elements, or an
+  // explicit step above 2^53), kWorkerLost (a worker this step needs is gone, per on_worker_loss),
   // kOutOfStep (bsp/ssp: the step asked needs pushes of this worker the
   // server never received; step(key) is now the server's step, unless
   // pushes of the key from this worker are still unanswered: then the pull

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -387,6 +388,12 @@ Field auth_token_field() {
 // The token in `path`: its bytes, less one trailing newline ("\n" or
 // "\r\n", as `echo` and editors leave it).
 Result<std::string> read_auth_token_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return make_error(ErrorCode::kConfig, "'{}' is a directory; name the token file in it (a "
+                      "mounted Kubernetes Secret holds one file per key, e.g. '{}/token')",
+                      path, path);
+  }
   errno = 0;
   std::ifstream in(path, std::ios::binary);
   if (!in) {

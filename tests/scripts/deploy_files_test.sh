@@ -77,6 +77,11 @@ for name, spec in (("server", sts["spec"]["template"]["spec"]), ("worker", job["
     mounted = [m for m in c["volumeMounts"] if m["name"] in secrets
                and token_file.group(1).startswith(m["mountPath"].rstrip("/") + "/")]
     assert mounted, f"the {name} pod does not mount a Secret at {token_file.group(1)}"
+    # The Secret's files are mode 0400 owned by fsGroup: the pod must run as
+    # that non-root user to read the token (and no other user may).
+    sc = spec.get("securityContext") or {}
+    assert sc.get("runAsNonRoot") and sc.get("runAsUser") and sc.get("fsGroup") == sc.get("runAsUser"), \
+        f"the {name} pod must run as the image's non-root user with fsGroup = runAsUser: {sc}"
 # Checked below with this test's token file in the Secret's place.
 open(sys.argv[2] + "/k8s.toml", "w").write(
     cm["data"]["ember.toml"].replace(token_file.group(1), sys.argv[2] + "/token"))

@@ -129,8 +129,8 @@ def test_notify(server_bin):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "notify.sock")
         sock = notify_socket(path)
-        # 4 s: the server pings every WATCHDOG_USEC / 2; a gap must stay
-        # below WATCHDOG_USEC, and 1 s left only 0.5 s for a descheduled
+        # 4 s: the server pings every WATCHDOG_USEC / 4; a gap must stay
+        # below WATCHDOG_USEC, and 1 s left little room for a descheduled
         # timer on a loaded 2-core machine.
         watchdog_usec = 4_000_000
         env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC=str(watchdog_usec))

@@ -1057,7 +1057,7 @@ TEST(ServerCli, PrintConfigShowsTheEffectiveConfigWithOverrides) {
   EXPECT_EQ(cfg->server.listen->port, 9999);
 }
 
-// systemd Type=notify: READY=1 once listening, WATCHDOG=1 at half of
+// systemd Type=notify: READY=1 once listening, WATCHDOG=1 every quarter of
 // WATCHDOG_USEC, STOPPING=1 on SIGTERM. The test plays systemd's part with a
 // datagram socket named by NOTIFY_SOCKET.
 // A systemd notify socket in `dir`: the server started while it exists

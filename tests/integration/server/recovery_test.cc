@@ -144,6 +144,34 @@ TEST(ServerRecovery, SighupStopsInOrderAndKeepsEveryAppliedPush) {
   EXPECT_TRUE(same_bits(p2, got));
 }
 
+// Started with SIGHUP ignored (nohup ember-server ...), the server keeps
+// running when its terminal goes away, as the operator asked: a SIGHUP
+// followed by a SIGTERM is one stop, by the SIGTERM. (Both pending at once,
+// sigtimedwait would take SIGHUP first, the lower number, had it been one of
+// the stop signals.)
+TEST(ServerRecovery, StartedWithSighupIgnoredAHangupDoesNotStopIt) {
+  TempDir dir;
+  const ClusterSpec spec = adam_spec(dir);
+  struct sigaction ignore {}, before {};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(::sigaction(SIGHUP, &ignore, &before), 0);
+  auto a = std::make_unique<ServerProcess>(dir, spec, 0);  // inherits SIG_IGN over exec
+  ASSERT_EQ(::sigaction(SIGHUP, &before, nullptr), 0);
+  ASSERT_TRUE(a->ok());
+  a->process().signal(SIGHUP);
+  auto w = connect_worker(spec, a->address(), 0);
+  ASSERT_TRUE(w) << a->log();
+  ASSERT_TRUE(w->init(5, kShape, initial()).wait());
+  w.reset();
+  a->process().signal(SIGTERM);
+  auto status = a->process().wait_exit();
+  ASSERT_TRUE(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << a->log();
+  EXPECT_NE(a->log().find("received SIGTERM: stopping"), std::string::npos) << a->log();
+  EXPECT_EQ(a->log().find("received SIGHUP"), std::string::npos) << a->log();
+  EXPECT_NE(a->log().find("(another SIGTERM or SIGINT after 2 s"), std::string::npos) << a->log();
+}
+
 TEST(ServerRecovery, SigtermWritesFinalCheckpointAndATruncatedOneIsRefused) {
   TempDir dir;
   const ClusterSpec spec = adam_spec(dir);

@@ -781,7 +781,7 @@ TEST(ConfigFile, AuthTokenFileGivesTheTokenAndIsExclusiveWithAuthToken) {
   EXPECT_THAT(parse_error("[communication]\nauth_token_file = " + quote_path(big) + "\n"),
               HasSubstr("holds more than 1024 bytes"));
   EXPECT_THAT(parse_error("[communication]\nauth_token_file = " + quote_path(dir) + "\n"),
-              HasSubstr("cannot read '" + dir.string() + "'"));
+              HasSubstr("'" + dir.string() + "' is a directory; name the token file in it"));
   std::filesystem::remove_all(dir);
 }
 
