@@ -53,7 +53,11 @@ void BarrierCore::on_barrier(const Request& request, TimePoint /*now*/, ReplySin
     return q.header.step >= number;
   });
   if (at != waiting.end() && at->header.step == number) {
-    *at = request;
+    // The re-send on the newest connection is the one to answer: connection
+    // ids only grow, and an original still buffered on the dead connection
+    // can arrive after its re-send (another I/O thread), to be dropped with
+    // that connection.
+    if (request.to.connection_id >= at->to.connection_id) *at = request;
     return;
   }
   if (waiting.size() >= kMaxWaitingPerRank) {

@@ -6,7 +6,8 @@
 // (membership.h: all but the ranks excluded by the shrink policy) has
 // arrived, with the barrier's generation number in the reply's step, then
 // opens the next generation. A rank that arrives twice in one generation (a
-// re-send after a reconnect, before the answer) replaces its earlier request.
+// re-send after a reconnect, before the answer) replaces its earlier request
+// when it came on the same or a newer connection (connection ids grow).
 // A barrier whose number the rank had answered already (a re-send whose
 // answer was lost with its connection; the last 17 are kept) is answered
 // again at once with its generation, and not counted in the open one. A

@@ -66,11 +66,14 @@ void notify(const std::string& state) {
 constexpr std::chrono::seconds kLongestTick{3600};
 
 // Watchdog tick: a quarter of WATCHDOG_USEC when systemd asks for pings (at
-// most kLongestTick); 0 when it does not. A shard thread stuck from just
-// after one tick fails the check two ticks later, half the interval, and
-// systemd restarts the server one interval after the last ping: at most
-// 1.25 intervals after the shard stuck. A stall shorter than a tick (a large
-// optimizer step) withholds nothing.
+// most kLongestTick); 0 when it does not. The ping is withheld after two
+// failed checks in a row (the first still pings). A shard thread stuck for
+// good just after taking a probe passes the next check and fails the two
+// after it: systemd restarts the server one interval after the last ping,
+// 1.5 intervals after the shard stuck (as with a half-interval tick and one
+// failure). What the quarter tick buys: a stall that ends within about one
+// interval (a large optimizer step, a descheduled thread) costs no restart,
+// where with the half tick one just over half an interval could.
 std::chrono::microseconds watchdog_tick() {
 #ifdef EMBER_HAVE_SYSTEMD
   std::uint64_t usec = 0;

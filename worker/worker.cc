@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <queue>
+#include <set>
 #include <shared_mutex>
 #include <thread>
 
@@ -172,6 +173,45 @@ struct PendingReq {
 // (285 years at one per microsecond) mark a server that breaks the protocol.
 // A double holds it exactly (Python, metrics).
 constexpr std::uint64_t kLargestStep = std::uint64_t{1} << 53;
+
+// The numbers of a worker's barriers (server 0's BarrierCore tells a re-sent
+// barrier from the next one by them). Failed barriers (timed out, lost,
+// refused) give their numbers back once no later one is outstanding, as a
+// failed push gives its step back: the caller's retries are the same
+// barriers to server 0 (which replaces one still waiting, or answers one
+// that completed meanwhile again), not the next ones, which would leave this
+// worker barriers ahead of the others for good. The worker's timer fails
+// operations in deadline order, so of barriers A < B both timed out, A fails
+// first, while B still holds the top number: A is remembered and given back
+// with B. Thread-safe.
+class BarrierNumbering {
+ public:
+  void seed(std::uint64_t next) {
+    std::lock_guard lock(mu_);
+    next_ = next;
+  }
+  std::uint64_t take() {
+    std::lock_guard lock(mu_);
+    return next_++;
+  }
+  void failed(std::uint64_t n) {
+    std::lock_guard lock(mu_);
+    failed_.insert(n);
+    while (next_ > 0 && failed_.erase(next_ - 1) == 1) --next_;
+  }
+  // Answered: every barrier numbered before it was answered too (server 0
+  // answers a rank's barriers in number order), so those that failed here
+  // (timed out just before their answer) have nothing to give back.
+  void succeeded(std::uint64_t n) {
+    std::lock_guard lock(mu_);
+    failed_.erase(failed_.begin(), failed_.upper_bound(n));
+  }
+
+ private:
+  std::mutex mu_;
+  std::uint64_t next_ = 0;
+  std::set<std::uint64_t> failed_;
+};
 
 // How often at most the timer thread sweeps the requests of failed
 // operations out of the pending table (PendingTable::take_failed).
@@ -434,8 +474,7 @@ struct Worker::Impl {
   // re-sent barrier from the next one by it): seeded from server 0's first
   // join reply, so a restarted worker goes on where its predecessor stopped.
   // Shared with the barrier operations, which may finish after the Worker.
-  std::shared_ptr<std::atomic<std::uint64_t>> barrier_count =
-      std::make_shared<std::atomic<std::uint64_t>>(0);
+  std::shared_ptr<BarrierNumbering> barrier_count = std::make_shared<BarrierNumbering>();
   std::atomic<bool> barrier_seeded{false};
 
   mutable std::shared_mutex keys_mutex;
@@ -1074,7 +1113,7 @@ Status Worker::Impl::join(ServerLink& link, std::uint64_t gen) {
   }
   EMBER_TRY(check_same_settings(link, body, gen));
   if (link.index == 0 && !barrier_seeded.exchange(true)) {
-    barrier_count->store(*r, std::memory_order_relaxed);  // before any barrier(): create() joins
+    barrier_count->seed(*r);  // before any barrier(): create() joins
   }
   const std::string_view server_consistency =
       proto::consistency_name(static_cast<proto::Consistency>(body.consistency));
@@ -2179,13 +2218,13 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
         fmt::format("{} of key {}: the tensor has {} elements but {} were given", proto::msg_type_name(type),
                     key, ks->num_elements, sends ? gradient.size() : out.size())));
   }
-  if (step && *step > kLargestStep) {
+  if (step && *step >= kLargestStep) {
     // A reply naming such a step is refused as a broken server (see
     // handle_reply), and a key's counter moved there could not go on.
     return Handle::failed(Error(
         ErrorCode::kInvalidArgument,
-        fmt::format("{} of key {}: step {} is past the largest step {}; steps count training "
-                    "iterations from 0",
+        fmt::format("{} of key {}: step {} is not below the largest step {}; steps count "
+                    "training iterations from 0",
                     proto::msg_type_name(type), key, *step, kLargestStep)));
   }
   // Counted before the step is taken, so a pull on another thread never
@@ -2414,18 +2453,15 @@ Handle Worker::push_pull(Key key, std::span<const float> gradient, std::span<flo
 }
 
 Handle Worker::barrier() {
-  auto count = impl_->barrier_count;
-  const std::uint64_t n = count->fetch_add(1, std::memory_order_relaxed);
-  // A failed barrier (timed out, lost, refused) gives its number back when no
-  // later one was issued, as a failed push gives its step back: the caller's
-  // retry is the same barrier to server 0 (which replaces it if it still
-  // waits, or answers it again if it completed meanwhile), not the next one,
-  // which would leave this worker a barrier behind the others for good.
+  auto numbering = impl_->barrier_count;
+  const std::uint64_t n = numbering->take();
   return impl_->broadcast(proto::MsgType::kBarrier, {}, proto::DType::kNone, 0, true, n,
-                          [count, n](const Result<std::uint64_t>& r) {
-                            if (r) return;
-                            std::uint64_t expected = n + 1;
-                            count->compare_exchange_strong(expected, n, std::memory_order_acq_rel);
+                          [numbering, n](const Result<std::uint64_t>& r) {
+                            if (r) {
+                              numbering->succeeded(n);
+                            } else {
+                              numbering->failed(n);
+                            }
                           });
 }
 

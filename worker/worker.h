@@ -250,14 +250,14 @@ class Worker {
 
   // Errors: kNotFound (key not init-ed by this worker, or its init failed,
   // or unknown on the server), kInvalidArgument (gradient.size() != elements;
-  // an explicit step above 2^53; or, from the server, a step more than 64 steps past the key's open round: pull
-  // first), kShapeMismatch,
+  // an explicit step of 2^53 or more; or, from the server, a step more than
+  // 64 steps past the key's open round: pull first), kShapeMismatch,
   // kStale (bsp: the step's round closed without this worker, e.g. left
   // out by on_worker_loss = "shrink" while it was lost; ssp: a step this
   // worker skipped when it came back after such a loss; step(key) moves up
-  // to the server's step: pull, then push from there), kOutOfStep (bsp: the server is
-  // at an earlier step for this worker, e.g. restored from an older
-  // checkpoint; step(key) is now the server's step, see "Out of step"),
+  // to the server's step: pull, then push from there), kOutOfStep (bsp: the
+  // server is at an earlier step for this worker, e.g. restored from an
+  // older checkpoint; step(key) is now the server's step, see "Out of step"),
   // kClosed (connection lost and not re-sent, or re-sending gave up; see
   // "Lost connections"), kTimeout, kIo ("cannot connect ... 1 attempt":
   // the server stayed unreachable), kAuth / kVersionMismatch (a reconnect
@@ -266,7 +266,8 @@ class Worker {
   Handle push(Key key, std::span<const float> gradient, std::uint64_t step);
 
   // Errors: kNotFound, kInvalidArgument (out.size() != elements, or an
-  // explicit step above 2^53), kWorkerLost (a worker this step needs is gone, per on_worker_loss),
+  // explicit step of 2^53 or more), kWorkerLost (a worker this step needs is
+  // gone, per on_worker_loss),
   // kOutOfStep (bsp/ssp: the step asked needs pushes of this worker the
   // server never received; step(key) is now the server's step, unless
   // pushes of the key from this worker are still unanswered: then the pull
@@ -284,8 +285,8 @@ class Worker {
   // Barriers are numbered per worker (a restarted worker goes on from its
   // predecessor's number): server 0 answers a re-sent one once, and a
   // worker's barriers called before the previous ones finished enter the
-  // following generations in order. A failed barrier gives its number back
-  // (when no later one was issued), so a retry is the same barrier.
+  // following generations in order. Failed barriers give their numbers back
+  // once no later one is outstanding, so retries are the same barriers.
   // Errors: kWorkerLost (a worker is gone, per on_worker_loss), kClosed,
   // kTimeout, kInvalidArgument (16 of this worker's barriers wait already).
   Handle barrier();

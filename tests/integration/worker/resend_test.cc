@@ -324,6 +324,31 @@ TEST(WorkerResend, ARetriedTimedOutBarrierIsTheSameBarrier) {
   ASSERT_NO_FATAL_FAILURE(expect_done_at(next1, 1));
 }
 
+// Two barriers in flight, both timed out: the worker fails them oldest
+// first, and both numbers come back (the first is remembered until the
+// second, then the top one, fails), so the two retries are the same two
+// barriers and pair with the other worker's first two.
+TEST(WorkerResend, TwoTimedOutBarriersRetriedAreTheSameTwo) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.worker_timeout = "20s";
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  auto w0 = make_worker(spec, server.address(), 0, {{"worker.request_timeout", "1s"}});
+  auto w1 = make_worker(spec, server.address(), 1);
+  ASSERT_TRUE(w0 && w1);
+  Handle a = w0->barrier(), b = w0->barrier();
+  ASSERT_FALSE(a.wait());
+  ASSERT_FALSE(b.wait());
+  Handle retry_a = w0->barrier(), retry_b = w0->barrier();
+  Handle a1 = w1->barrier(), b1 = w1->barrier();
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(a1, 0));
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(b1, 1));
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(retry_a, 0));
+  ASSERT_NO_FATAL_FAILURE(expect_done_at(retry_b, 1));
+}
+
 // A worker restarted with the same rank numbers its barriers on from where
 // its predecessor stopped (server 0's join reply): its first barrier is the
 // job's next one, not a re-send of the predecessor's answered one.

@@ -86,13 +86,14 @@ TEST(WorkerClient, ArgumentErrorsComeBackAsFailedHandles) {
   const std::uint64_t other[] = {2, 2};
   EXPECT_EQ(w->init(1, other, kInit).wait().error().code(), ErrorCode::kShapeMismatch);
   EXPECT_EQ(w->set_learning_rate(-0.1).wait().error().code(), ErrorCode::kInvalidArgument);
-  // A step past 2^53 (no run reaches it; replies naming one are refused):
+  // A step of 2^53 or more (no run reaches it; replies naming a step past it
+  // are refused, and a push at 2^53 would move the key's next step there):
   // refused before it moves the key's step counter.
-  const std::uint64_t too_far = (std::uint64_t{1} << 53) + 1;
+  const std::uint64_t too_far = std::uint64_t{1} << 53;
   auto far_push = w->push(1, kInit, too_far).wait();
   ASSERT_FALSE(far_push);
   EXPECT_EQ(far_push.error().code(), ErrorCode::kInvalidArgument);
-  EXPECT_NE(far_push.error().message().find("past the largest step"), std::string::npos)
+  EXPECT_NE(far_push.error().message().find("is not below the largest step"), std::string::npos)
       << far_push.error().to_string();
   EXPECT_EQ(w->pull(1, out, too_far).wait().error().code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(w->step(1), 0u);

@@ -1202,7 +1202,7 @@ TEST(BarrierCore, AReSentWaitingBarrierReplacesOnlyItsOwnNumber) {
   RecordingSink sink;
   b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
   b.on_barrier(req(MsgType::kBarrier, 0, 0, 1, 0), kT0, sink);
-  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0, 9), kT0, sink);  // re-send of number 0
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0, 200), kT0, sink);  // re-send of number 0
   EXPECT_TRUE(sink.sent.empty());
   b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0), kT0, sink);
   ASSERT_EQ(sink.sent.size(), 2u);
@@ -1210,11 +1210,29 @@ TEST(BarrierCore, AReSentWaitingBarrierReplacesOnlyItsOwnNumber) {
   const auto to_rank0 = std::find_if(sink.sent.begin(), sink.sent.end(),
                                      [](const auto& s) { return s.header.worker_rank == 0; });
   ASSERT_NE(to_rank0, sink.sent.end());
-  EXPECT_EQ(to_rank0->to.connection_id, 9u);  // the re-send's connection
+  EXPECT_EQ(to_rank0->to.connection_id, 200u);  // the re-send's (newer) connection
   sink.sent.clear();
   b.on_barrier(req(MsgType::kBarrier, 1, 0, 1, 0), kT0, sink);
   ASSERT_EQ(sink.sent.size(), 2u);  // rank 0's number 1 was still waiting
   for (auto& s : sink.sent) EXPECT_EQ(s.header.step, 1u);
+}
+
+// The original of a re-sent barrier, still buffered on its dead connection,
+// can be handled after the re-send (another I/O thread): it does not take
+// the re-send's place, so dropping the dead connection leaves the re-send.
+TEST(BarrierCore, ALateOriginalDoesNotReplaceItsReSentCopy) {
+  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1));
+  RecordingSink sink;
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0, 9), kT0, sink);  // the re-send
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0, 1), kT0, sink);  // the original, late
+  b.drop_connection(1);
+  EXPECT_EQ(b.num_waiting(), 1u);
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);
+  const auto to_rank0 = std::find_if(sink.sent.begin(), sink.sent.end(),
+                                     [](const auto& s) { return s.header.worker_rank == 0; });
+  ASSERT_NE(to_rank0, sink.sent.end());
+  EXPECT_EQ(to_rank0->to.connection_id, 9u);
 }
 
 TEST(BarrierCore, ShrinkReleasesWithoutLostRank) {

@@ -265,6 +265,7 @@ TEST_P(RdmaSuite, ACorkedBurstOfSmallMessagesLeavesInFullBatches) {
   auto server = Side::make(GetParam().pool_receive, 1, 4);
   auto client = Side::make(GetParam().pool_receive, 1, 4);
   Inbox server_in, client_in;
+  StopTransports stop{{server.get(), client.get()}};
   auto listener = server->transport->listen(address_, {Role::kServer, 0}, server_in.acceptor(),
                                             server_in.handlers());
   ASSERT_TRUE(listener);
