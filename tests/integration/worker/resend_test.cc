@@ -91,6 +91,25 @@ std::unique_ptr<Worker> make_worker(const ClusterSpec& spec, const std::string& 
   return w ? std::move(*w) : nullptr;
 }
 
+using Settings = std::vector<std::pair<std::string, std::string>>;
+
+// Server 0 and two workers, for the barrier tests; worker 0 takes `w0_set`.
+struct BarrierJob {
+  TempDir dir;
+  ClusterSpec spec;
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<Worker> w0, w1;
+  explicit BarrierJob(const Settings& w0_set = {}) {
+    spec.num_workers = 2;
+    spec.worker_timeout = "20s";
+    server = std::make_unique<ServerProcess>(dir, spec, 0);
+    if (!server->ok()) return;
+    w0 = make_worker(spec, server->address(), 0, w0_set);
+    w1 = make_worker(spec, server->address(), 1);
+  }
+  bool ok() const { return server->ok() && w0 && w1; }
+};
+
 // A loopback proxy in front of `server`, for a worker to connect through
 // (fault injection: hold, drop).
 std::unique_ptr<ember::testing::TcpProxy> proxy_to(const ServerProcess& server) {
@@ -285,14 +304,10 @@ TEST(WorkerResend, ABarrierReSentAfterItsAnswerWasLostIsNotCountedInTheNext) {
 // completes with its own generation (the second used to replace the first,
 // whose caller then timed out).
 TEST(WorkerResend, TwoBarriersInFlightPerWorkerCompleteInOrder) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  ServerProcess server(dir, spec, 0);
-  ASSERT_TRUE(server.ok());
-  auto w0 = make_worker(spec, server.address(), 0);
-  auto w1 = make_worker(spec, server.address(), 1);
-  ASSERT_TRUE(w0 && w1);
+  BarrierJob job;
+  ASSERT_TRUE(job.ok());
+  auto& w0 = job.w0;
+  auto& w1 = job.w1;
   Handle a0 = w0->barrier(), b0 = w0->barrier();
   Handle a1 = w1->barrier(), b1 = w1->barrier();
   for (const Handle* h : {&a0, &a1}) ASSERT_NO_FATAL_FAILURE(expect_done_at(*h, 0));
@@ -304,15 +319,10 @@ TEST(WorkerResend, TwoBarriersInFlightPerWorkerCompleteInOrder) {
 // barriers stay paired; had the retry taken the next number, it would wait
 // a generation behind the other worker for good.
 TEST(WorkerResend, ARetriedTimedOutBarrierIsTheSameBarrier) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.worker_timeout = "20s";
-  ServerProcess server(dir, spec, 0);
-  ASSERT_TRUE(server.ok());
-  auto w0 = make_worker(spec, server.address(), 0, {{"worker.request_timeout", "1s"}});
-  auto w1 = make_worker(spec, server.address(), 1);
-  ASSERT_TRUE(w0 && w1);
+  BarrierJob job(Settings{{"worker.request_timeout", "1s"}});
+  ASSERT_TRUE(job.ok());
+  auto& w0 = job.w0;
+  auto& w1 = job.w1;
   auto timed_out = w0->barrier().wait();
   ASSERT_FALSE(timed_out);
   EXPECT_EQ(timed_out.error().code(), ErrorCode::kTimeout) << timed_out.error().to_string();
@@ -329,15 +339,10 @@ TEST(WorkerResend, ARetriedTimedOutBarrierIsTheSameBarrier) {
 // second, then the top one, fails), so the two retries are the same two
 // barriers and pair with the other worker's first two.
 TEST(WorkerResend, TwoTimedOutBarriersRetriedAreTheSameTwo) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.worker_timeout = "20s";
-  ServerProcess server(dir, spec, 0);
-  ASSERT_TRUE(server.ok());
-  auto w0 = make_worker(spec, server.address(), 0, {{"worker.request_timeout", "1s"}});
-  auto w1 = make_worker(spec, server.address(), 1);
-  ASSERT_TRUE(w0 && w1);
+  BarrierJob job(Settings{{"worker.request_timeout", "1s"}});
+  ASSERT_TRUE(job.ok());
+  auto& w0 = job.w0;
+  auto& w1 = job.w1;
   Handle a = w0->barrier(), b = w0->barrier();
   ASSERT_FALSE(a.wait());
   ASSERT_FALSE(b.wait());
@@ -353,20 +358,15 @@ TEST(WorkerResend, TwoTimedOutBarriersRetriedAreTheSameTwo) {
 // its predecessor stopped (server 0's join reply): its first barrier is the
 // job's next one, not a re-send of the predecessor's answered one.
 TEST(WorkerResend, ARestartedWorkersFirstBarrierWaitsForTheOthers) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.worker_timeout = "20s";
-  ServerProcess server(dir, spec, 0);
-  ASSERT_TRUE(server.ok());
-  auto w0 = make_worker(spec, server.address(), 0);
-  auto w1 = make_worker(spec, server.address(), 1);
-  ASSERT_TRUE(w0 && w1);
+  BarrierJob job;
+  ASSERT_TRUE(job.ok());
+  auto& w0 = job.w0;
+  auto& w1 = job.w1;
   Handle b1 = w1->barrier();
   ASSERT_TRUE(w0->barrier().wait());
   ASSERT_TRUE(b1.wait());
   w1.reset();
-  w1 = make_worker(spec, server.address(), 1);  // the restarted rank 1
+  w1 = make_worker(job.spec, job.server->address(), 1);  // the restarted rank 1
   ASSERT_TRUE(w1);
   Handle again = w1->barrier();
   EXPECT_FALSE(again.wait_for(500ms)) << "the restarted worker's barrier returned alone";
