@@ -41,7 +41,21 @@ Status EmberExchange::finish(const InFlight& op, std::string_view what) {
 
 Status EmberExchange::settle(const InFlight& op, std::string_view what) {
   Status st = finish(op, what);
-  if (st || !op.resent || st.error().code() != ErrorCode::kStale) return st;
+  if (st || st.error().code() != ErrorCode::kStale) return st;
+  if (!op.resent) {
+    // Left out while its connection was down (shrink), this process lost
+    // its place in the job: the others' step is ahead of this trainer's, and
+    // going forward would also put its epoch barriers out of step with
+    // theirs. A restart with --rejoin takes the servers' step and parameters.
+    return with_context(
+        st.error(),
+        fmt::format("rank {} was left out of the job while its connection was down "
+                    "(on_worker_loss = \"shrink\") and the other workers went on; this trainer "
+                    "goes only back, not ahead: restart this rank with its usual command plus "
+                    "--rejoin to continue from the servers' step (see "
+                    "docs/troubleshooting.md#worker-loss)",
+                    worker_->rank()));
+  }
   const Parameter& p = tensors_[*op.resent];
   log::logger("fmnist")->info(
       "rank {}: the round of step {} for {} (key {}) closed without this rank while it was "

@@ -188,8 +188,10 @@ class EmberExchange final : public GradientExchange {
 
   // Waits for the push_pull of each tensor still in flight. A kOutOfStep
   // reply resyncs (file comment) and returns OK with the server's
-  // parameters in the value buffers and take_rewind() set. Errors: the operation's (kWorkerLost,
-  // kStale, kTimeout, kClosed, ...) naming the tensor and step; kInternal
+  // parameters in the value buffers and take_rewind() set. Errors: the
+  // operation's (kWorkerLost, kStale, kTimeout, kClosed, ...) naming the
+  // tensor and step (kStale: this rank was left out under shrink while its
+  // connection was down; the text says to restart it with --rejoin); kInternal
   // when the reply says the server is behind `step`; the resync pulls'
   // errors (kOutOfStep included), naming the tensor.
   Status await_parameters(std::uint64_t step, std::span<const Parameter> tensors) override;
@@ -236,7 +238,9 @@ class EmberExchange final : public GradientExchange {
   static Status finish(const InFlight& op, std::string_view what);
   // finish(), except that a rejoin re-send refused with kStale (the round
   // closed without this rank: on_worker_loss = "shrink" left it out while it
-  // was gone) pulls that tensor's parameters after the round instead.
+  // was gone) pulls that tensor's parameters after the round instead; any
+  // other kStale (left out while its connection was down, same process)
+  // says to restart the rank with --rejoin.
   Status settle(const InFlight& op, std::string_view what);
   // Waits for every in-flight operation (per tensor and the list); returns
   // the first error. Clears both and ends the pipeline. With `resync`,

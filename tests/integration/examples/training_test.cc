@@ -849,6 +849,29 @@ TEST_F(FmnistJob, WorkersKilledAndRestartedWithRejoinContinueTheJob) {
   EXPECT_EQ(server->wait_exit(kStartTimeout), 0) << server->stderr_text();
 }
 
+// Two tensors of 2 x 1 (keys 1 and 2), values and gradients per rank, for
+// the tests that drive EmberExchange directly.
+struct TwoTensors {
+  std::vector<float> values = std::vector<float>(4, 1.0f);
+  std::vector<float> grads = std::vector<float>(4, 0.0f);
+  std::vector<Parameter> params;
+  explicit TwoTensors(float gradient) {
+    std::fill(grads.begin(), grads.end(), gradient);
+    for (std::size_t t = 0; t < 2; ++t) {
+      Parameter p;
+      p.key = 1 + t;
+      p.name = fmt::format("T{}", t);
+      p.rows = 2;
+      p.cols = 1;
+      p.offset = 2 * t;
+      p.value = std::span<float>(values).subspan(2 * t, 2);
+      p.grad = std::span<float>(grads).subspan(2 * t, 2);
+      params.push_back(p);
+    }
+  }
+  std::span<const Parameter> one(std::size_t t) const { return {&params[t], 1}; }
+};
+
 // Rejoin under on_worker_loss = "shrink", driven step by step through
 // EmberExchange with in-process workers: while rank 1 is gone, rank 0 pushes
 // step 1 of tensor 0 alone and its round closes without rank 1. The
@@ -869,28 +892,7 @@ TEST_F(FmnistJob, RejoinUnderShrinkPullsATensorWhoseRoundClosedWithoutIt) {
     config::set_worker_rank(c, rank);
     return Worker::create(c);
   };
-  // Two tensors of 2 x 1 (keys 1 and 2), values and gradients per rank.
-  struct Model {
-    std::vector<float> values = std::vector<float>(4, 1.0f);
-    std::vector<float> grads = std::vector<float>(4, 0.0f);
-    std::vector<Parameter> params;
-    explicit Model(float gradient) {
-      std::fill(grads.begin(), grads.end(), gradient);
-      for (std::size_t t = 0; t < 2; ++t) {
-        Parameter p;
-        p.key = 1 + t;
-        p.name = fmt::format("T{}", t);
-        p.rows = 2;
-        p.cols = 1;
-        p.offset = 2 * t;
-        p.value = std::span<float>(values).subspan(2 * t, 2);
-        p.grad = std::span<float>(grads).subspan(2 * t, 2);
-        params.push_back(p);
-      }
-    }
-    std::span<const Parameter> one(std::size_t t) const { return {&params[t], 1}; }
-  };
-  Model m0(0.5f), m1(0.25f);
+  TwoTensors m0(0.5f), m1(0.25f);
   auto w0 = make_worker(0);
   ASSERT_TRUE(w0) << w0.error().to_string();
   auto w1 = make_worker(1);
@@ -917,7 +919,7 @@ TEST_F(FmnistJob, RejoinUnderShrinkPullsATensorWhoseRoundClosedWithoutIt) {
   // Rank 1 restarts with rejoin.
   auto w1b = make_worker(1);
   ASSERT_TRUE(w1b) << w1b.error().to_string();
-  Model m1b(0.25f);
+  TwoTensors m1b(0.25f);
   EmberExchange ex1b(**w1b, EmberExchangeOptions{.rejoin = true});
   ASSERT_TRUE(ex1b.start(m1b.params));
   EXPECT_EQ(ex1b.resume_step(), 1u);
@@ -937,6 +939,56 @@ TEST_F(FmnistJob, RejoinUnderShrinkPullsATensorWhoseRoundClosedWithoutIt) {
   EXPECT_EQ(m0.values, m1b.values);
   ASSERT_TRUE(ex0.sync());
   ASSERT_TRUE(ex1b.sync());
+}
+
+// Under shrink, a worker whose connection dropped (same process, it
+// reconnects on its next request) is left out while the others go on; its
+// next push is stale. The example trainer goes only back, never ahead
+// (ember_exchange.h), so it stops with an error that says to restart the
+// rank with --rejoin, rather than an unexplained kStale.
+TEST_F(FmnistJob, UnderShrinkARankLeftOutWhileDisconnectedIsToldToRejoin) {
+  const std::string config_path = write_config(2, "bsp", "shrink");
+  auto server = start_server(config_path);
+  ASSERT_NE(server, nullptr);
+  ember::testing::TcpProxy proxy(port_);
+  auto loaded = config::load_config_file(config_path);
+  ASSERT_TRUE(loaded) << loaded.error().to_string();
+  auto make_worker = [&](std::uint32_t rank, int port) {
+    config::Config c = *loaded;
+    const std::string address = fmt::format("127.0.0.1:{}", port);
+    EXPECT_TRUE(config::set_servers(c, std::span<const std::string>(&address, 1)));
+    EXPECT_TRUE(config::set_value(c, "worker.connect_retries", "20"));
+    config::set_worker_rank(c, rank);
+    return Worker::create(c);
+  };
+  auto w0 = make_worker(0, port_);
+  ASSERT_TRUE(w0) << w0.error().to_string();
+  auto w1 = make_worker(1, proxy.port());
+  ASSERT_TRUE(w1) << w1.error().to_string();
+  TwoTensors m0(0.5f), m1(0.25f);
+  EmberExchange ex0(**w0), ex1(**w1);
+  Status started1 = ok_status();
+  std::thread starter([&] { started1 = ex1.start(m1.params); });  // waits for rank 0's init
+  ASSERT_TRUE(ex0.start(m0.params));
+  starter.join();
+  ASSERT_TRUE(started1) << started1.error().to_string();
+  ASSERT_TRUE(ex0.gradients_ready(0, m0.params));
+  ASSERT_TRUE(ex1.gradients_ready(0, m1.params));
+  ASSERT_TRUE(ex0.await_parameters(1, m0.params));
+  ASSERT_TRUE(ex1.await_parameters(1, m1.params));
+  proxy.drop_all();
+  // Rank 0's step 1 completes once the server left rank 1 out.
+  ASSERT_TRUE(ex0.gradients_ready(1, m0.params));
+  Status alone = ex0.await_parameters(2, m0.params);
+  ASSERT_TRUE(alone) << alone.error().to_string() << "\nserver log:\n" << server->stderr_text();
+  ASSERT_TRUE(ex1.gradients_ready(1, m1.params));
+  Status left_out = ex1.await_parameters(2, m1.params);
+  ASSERT_FALSE(left_out);
+  EXPECT_EQ(left_out.error().code(), ErrorCode::kStale) << left_out.error().to_string();
+  EXPECT_NE(left_out.error().message().find("restart this rank with its usual command plus --rejoin"),
+            std::string::npos)
+      << left_out.error().to_string();
+  ASSERT_TRUE(ex0.sync());
 }
 
 TEST_F(FmnistJob, WorkerRestartedWithoutRejoinIsToldToPassRejoin) {
