@@ -13,7 +13,8 @@
 // A stop signal during start-up stops it before the ready line. Under systemd (NOTIFY_SOCKET
 // set) it reports READY=1 once listening and pings WATCHDOG=1 every quarter
 // of the watchdog interval, withholding the ping while a shard thread has
-// left its liveness probe (Server::check_liveness) waiting for two ticks. Once listening it prints one line to stdout:
+// left its liveness probe (Server::check_liveness) waiting for two ticks.
+// Once listening it prints one line to stdout:
 //   ember-server ready listen=127.0.0.1:7070 metrics=127.0.0.1:9100
 // (scripts and tests wait for it; "metrics=" is empty when metrics are off).
 // This is the program's one top-level catch: exceptions from CLI11 and any
@@ -228,8 +229,7 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
     notify(fmt::format("READY=1\nSTATUS=serving on {}", (*server)->address()));
   }
-  bool withheld = false;  // the last watchdog ping was withheld
-  int failed_checks = 0;  // consecutive ticks with a probe still waiting
+  int failed_checks = 0;  // consecutive ticks with a probe still waiting (2+: ping withheld)
   const std::chrono::nanoseconds tick =
       watchdog.count() > 0 ? std::chrono::nanoseconds(watchdog) : std::chrono::nanoseconds(kLongestTick);
   while (signal_number == 0) {
@@ -251,13 +251,12 @@ int run(int argc, char** argv) {
       // is withheld while a shard thread has taken no request for two
       // ticks, so that systemd restarts a server stuck there (WatchdogSec).
       auto live = (*server)->check_liveness();
-      failed_checks = live ? 0 : failed_checks + 1;
+      const bool was_withheld = failed_checks >= 2;
+      failed_checks = live ? 0 : std::min(failed_checks + 1, 2);
       if (failed_checks < 2) {
-        if (withheld) log->info("shard threads answer again: watchdog pings resume");
-        withheld = false;
+        if (was_withheld) log->info("shard threads answer again: watchdog pings resume");
         notify("WATCHDOG=1");
-      } else if (!withheld) {
-        withheld = true;
+      } else if (!was_withheld) {
         log->error("{}, for {} checks {} ms apart: withholding the watchdog ping; systemd "
                    "restarts the server if this lasts WatchdogSec",
                    live.error().message(), failed_checks,

@@ -186,8 +186,12 @@ constexpr std::uint64_t kLargestStep = std::uint64_t{1} << 53;
 // with B. Thread-safe.
 class BarrierNumbering {
  public:
-  void seed(std::uint64_t next) {
+  // The first call sets the next number (server 0's first join reply);
+  // later calls (rejoins) change nothing.
+  void seed_once(std::uint64_t next) {
     std::lock_guard lock(mu_);
+    if (seeded_) return;
+    seeded_ = true;
     next_ = next;
   }
   std::uint64_t take() {
@@ -209,6 +213,7 @@ class BarrierNumbering {
 
  private:
   std::mutex mu_;
+  bool seeded_ = false;
   std::uint64_t next_ = 0;
   std::set<std::uint64_t> failed_;
 };
@@ -474,8 +479,7 @@ struct Worker::Impl {
   // re-sent barrier from the next one by it): seeded from server 0's first
   // join reply, so a restarted worker goes on where its predecessor stopped.
   // Shared with the barrier operations, which may finish after the Worker.
-  std::shared_ptr<BarrierNumbering> barrier_count = std::make_shared<BarrierNumbering>();
-  std::atomic<bool> barrier_seeded{false};
+  std::shared_ptr<BarrierNumbering> barrier_numbers = std::make_shared<BarrierNumbering>();
 
   mutable std::shared_mutex keys_mutex;
   std::unordered_map<Key, std::shared_ptr<KeyState>> keys;
@@ -1112,9 +1116,7 @@ Status Worker::Impl::join(ServerLink& link, std::uint64_t gen) {
                     body.num_shards)));
   }
   EMBER_TRY(check_same_settings(link, body, gen));
-  if (link.index == 0 && !barrier_seeded.exchange(true)) {
-    barrier_count->seed(*r);  // before any barrier(): create() joins
-  }
+  if (link.index == 0) barrier_numbers->seed_once(*r);  // before any barrier(): create() joins
   const std::string_view server_consistency =
       proto::consistency_name(static_cast<proto::Consistency>(body.consistency));
   log->debug("joined server {} ({}, {} shard(s))", link.index, server_consistency, body.num_shards);
@@ -2453,7 +2455,7 @@ Handle Worker::push_pull(Key key, std::span<const float> gradient, std::span<flo
 }
 
 Handle Worker::barrier() {
-  auto numbering = impl_->barrier_count;
+  auto numbering = impl_->barrier_numbers;
   const std::uint64_t n = numbering->take();
   return impl_->broadcast(proto::MsgType::kBarrier, {}, proto::DType::kNone, 0, true, n,
                           [numbering, n](const Result<std::uint64_t>& r) {

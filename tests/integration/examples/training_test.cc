@@ -297,6 +297,20 @@ class FmnistJob : public ::testing::Test {
     return p;
   }
 
+  // A Worker in this process, of rank `rank` on the job file `config`,
+  // talking to the server at 127.0.0.1:`port`, with the `set` overrides.
+  Result<std::unique_ptr<Worker>> in_process_worker(
+      const std::string& config, std::uint32_t rank, int port,
+      const std::vector<std::pair<std::string, std::string>>& set = {}) {
+    auto c = config::load_config_file(config);
+    if (!c) return tl::unexpected(c.error());
+    const std::string address = fmt::format("127.0.0.1:{}", port);
+    EMBER_TRY(config::set_servers(*c, std::span<const std::string>(&address, 1)));
+    for (const auto& [key, value] : set) EMBER_TRY(config::set_value(*c, key, value));
+    config::set_worker_rank(*c, rank);
+    return Worker::create(*c);
+  }
+
   // fmnist-worker of rank `rank` on `config`, talking to the server on
   // port_, with the small model and `args`.
   std::unique_ptr<Process> start_worker(const std::string& config, std::uint32_t rank,
@@ -883,15 +897,7 @@ TEST_F(FmnistJob, RejoinUnderShrinkPullsATensorWhoseRoundClosedWithoutIt) {
   const std::string config_path = write_config(2, "bsp", "shrink");
   auto server = start_server(config_path);
   ASSERT_NE(server, nullptr);
-  auto loaded = config::load_config_file(config_path);
-  ASSERT_TRUE(loaded) << loaded.error().to_string();
-  const std::string address = fmt::format("127.0.0.1:{}", port_);
-  ASSERT_TRUE(config::set_servers(*loaded, std::span<const std::string>(&address, 1)));
-  auto make_worker = [&](std::uint32_t rank) {
-    config::Config c = *loaded;
-    config::set_worker_rank(c, rank);
-    return Worker::create(c);
-  };
+  auto make_worker = [&](std::uint32_t rank) { return in_process_worker(config_path, rank, port_); };
   TwoTensors m0(0.5f), m1(0.25f);
   auto w0 = make_worker(0);
   ASSERT_TRUE(w0) << w0.error().to_string();
@@ -951,15 +957,8 @@ TEST_F(FmnistJob, UnderShrinkARankLeftOutWhileDisconnectedIsToldToRejoin) {
   auto server = start_server(config_path);
   ASSERT_NE(server, nullptr);
   ember::testing::TcpProxy proxy(port_);
-  auto loaded = config::load_config_file(config_path);
-  ASSERT_TRUE(loaded) << loaded.error().to_string();
   auto make_worker = [&](std::uint32_t rank, int port) {
-    config::Config c = *loaded;
-    const std::string address = fmt::format("127.0.0.1:{}", port);
-    EXPECT_TRUE(config::set_servers(c, std::span<const std::string>(&address, 1)));
-    EXPECT_TRUE(config::set_value(c, "worker.connect_retries", "20"));
-    config::set_worker_rank(c, rank);
-    return Worker::create(c);
+    return in_process_worker(config_path, rank, port, {{"worker.connect_retries", "20"}});
   };
   auto w0 = make_worker(0, port_);
   ASSERT_TRUE(w0) << w0.error().to_string();
