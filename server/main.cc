@@ -12,8 +12,9 @@
 // the checkpoint.
 // A stop signal during start-up stops it before the ready line. Under systemd (NOTIFY_SOCKET
 // set) it reports READY=1 once listening and pings WATCHDOG=1 every quarter
-// of the watchdog interval, withholding the ping while a shard thread has
-// left its liveness probe (Server::check_liveness) waiting for two ticks.
+// of the watchdog interval, withholding the ping while a shard thread or an
+// I/O thread has left its liveness probe (Server::check_liveness) waiting for
+// two ticks.
 // Once listening it prints one line to stdout:
 //   ember-server ready listen=127.0.0.1:7070 metrics=127.0.0.1:9100
 // (scripts and tests wait for it; "metrics=" is empty when metrics are off).
@@ -248,13 +249,14 @@ int run(int argc, char** argv) {
     }
     if (watchdog.count() > 0 && signal_number == 0) {
       // A ping says the server works, not only that this thread runs: it
-      // is withheld while a shard thread has taken no request for two
-      // ticks, so that systemd restarts a server stuck there (WatchdogSec).
+      // is withheld while a shard or I/O thread has taken no request for
+      // two ticks, so that systemd restarts a server stuck there
+      // (WatchdogSec).
       auto live = (*server)->check_liveness();
       const bool was_withheld = failed_checks >= 2;
       failed_checks = live ? 0 : std::min(failed_checks + 1, 2);
       if (failed_checks < 2) {
-        if (was_withheld) log->info("shard threads answer again: watchdog pings resume");
+        if (was_withheld) log->info("server threads answer again: watchdog pings resume");
         notify("WATCHDOG=1");
       } else if (!was_withheld) {
         log->error("{}, for {} checks {} ms apart: withholding the watchdog ping; systemd "

@@ -24,6 +24,7 @@
 #include <fmt/ranges.h>
 
 #include "common/base/logging.h"
+#include "common/base/sync_point.h"
 #include "common/memory/page_pool.h"
 #include "common/memory/stream_copy.h"
 #include "common/metrics/metrics.h"
@@ -215,9 +216,10 @@ struct Server::Impl final : ReplySink {
   // other servers).
   std::shared_ptr<BarrierNumbers> barrier_numbers;
   std::vector<std::unique_ptr<Shard>> shards;
-  // Per shard: whether it took its last liveness probe (check_liveness; the
-  // owning thread's).
+  // Per shard, then per transport I/O thread: whether it took its last
+  // liveness probe (check_liveness; the calling thread's).
   std::vector<std::shared_ptr<std::atomic<bool>>> liveness_probes;
+  std::vector<std::shared_ptr<std::atomic<bool>>> io_liveness_probes;
   std::unique_ptr<transport::Transport> transport;
   std::unique_ptr<transport::Listener> listener;
   std::string address;
@@ -1725,12 +1727,17 @@ Status Server::shutdown() { return impl_->shutdown(); }
 Result<std::uint64_t> Server::checkpoint_now() { return impl_->checkpoint_request(); }
 
 Status Server::check_liveness() {
+  // A probe still waiting from the previous call marks its thread stuck and
+  // gets no second one behind it; a taken one is replaced by a fresh probe.
+  auto check = [](std::shared_ptr<std::atomic<bool>>& probe) {
+    return !probe || probe->load(std::memory_order_acquire);
+  };
   auto& probes = impl_->liveness_probes;
   probes.resize(impl_->shards.size());
   std::vector<std::uint32_t> stuck;
   for (std::uint32_t i = 0; i < impl_->shards.size(); ++i) {
-    if (probes[i] && !probes[i]->load(std::memory_order_acquire)) {
-      stuck.push_back(i);  // its last probe still queued: no second one
+    if (!check(probes[i])) {
+      stuck.push_back(i);
       continue;
     }
     auto taken = std::make_shared<std::atomic<bool>>(false);
@@ -1741,11 +1748,38 @@ Status Server::check_liveness() {
         1, [taken] { taken->store(true, std::memory_order_release); });
     impl_->shards[i]->post(std::move(item));
   }
-  if (stuck.empty()) return ok_status();
+  // The transport's I/O threads: one stuck in a handler stops every
+  // connection it serves as surely as a stuck shard stops its keys.
+  std::vector<std::uint32_t> io_stuck;
+  auto& io_probes = impl_->io_liveness_probes;
+  if (impl_->transport) {
+    io_probes.resize(impl_->transport->num_io_threads());
+    for (std::uint32_t i = 0; i < io_probes.size(); ++i) {
+      if (!check(io_probes[i])) {
+        io_stuck.push_back(i);
+        continue;
+      }
+      auto taken = std::make_shared<std::atomic<bool>>(false);
+      io_probes[i] = taken;
+      const bool posted = impl_->transport->post_to_io_thread(i, [taken] {
+        // Passed by the I/O thread as it takes the probe: a test stalls it
+        // here to play a stuck handler.
+        EMBER_SYNC_POINT("Server::io_probe");
+        taken->store(true, std::memory_order_release);
+      });
+      if (!posted) io_probes[i].reset();  // the transport is closing: nothing to watch
+    }
+  }
+  if (stuck.empty() && io_stuck.empty()) return ok_status();
+  std::string what;
+  if (!stuck.empty()) what = fmt::format("shard thread(s) {}", fmt::join(stuck, ", "));
+  if (!io_stuck.empty()) {
+    what += fmt::format("{}I/O thread(s) {}", what.empty() ? "" : " and ", fmt::join(io_stuck, ", "));
+  }
   return make_error(ErrorCode::kTimeout,
-                    "shard thread(s) {} of server {} took no request since the previous "
-                    "liveness check (stuck in one request, or starved of CPU)",
-                    fmt::join(stuck, ", "), impl_->config.server.server_index);
+                    "{} of server {} took no request since the previous liveness check (stuck "
+                    "in one request, or starved of CPU)",
+                    what, impl_->config.server.server_index);
 }
 
 Result<std::uint64_t> Server::Impl::checkpoint_request() {

@@ -73,13 +73,13 @@ class Server {
   Status shutdown();
 
   // The watchdog's liveness check (ember-server pings systemd's WATCHDOG=1
-  // only after it passes): whether every shard thread took the probe posted
-  // at the previous call; then posts the next ones (a shard whose probe is
-  // still queued gets none). Call it from one thread, once per watchdog
-  // tick (ember-server withholds the ping after two failures in a row): a
-  // shard stuck for a whole tick fails it. The first call passes.
-  // Covers the shard threads, not the transport's I/O threads. Errors:
-  // kTimeout naming the shards whose probe is still queued.
+  // only after it passes): whether every shard thread and every transport
+  // I/O thread took the probe posted at the previous call; then posts the
+  // next ones (a thread whose probe is still queued gets none). Call it from
+  // one thread, once per watchdog tick, before shutdown() (ember-server
+  // withholds the ping after two failures in a row): a thread stuck for a
+  // whole tick fails it. The first call passes. Errors: kTimeout naming the
+  // shard threads and I/O threads whose probe is still queued.
   Status check_liveness();
 
   // Writes a checkpoint now and waits for it. Errors: kConfig when

@@ -472,6 +472,16 @@ class Transport {
   // True when the calling thread is one of this Transport's I/O threads.
   virtual bool on_io_thread() const noexcept = 0;
 
+  // The number of I/O threads (options().num_io_threads), and a way to run
+  // `task` on I/O thread `index` (0 ≤ index < num_io_threads(); taken modulo
+  // otherwise) behind what is already queued there. ember-server's watchdog
+  // posts its liveness probes this way: a thread stuck in one handler never
+  // runs the task. Thread-safe; never blocks. Returns false, with `task`
+  // destroyed unrun, once ~Transport has begun (no error code: the caller
+  // is shutting the transport down itself).
+  virtual std::uint32_t num_io_threads() const noexcept = 0;
+  [[nodiscard]] virtual bool post_to_io_thread(std::uint32_t index, std::function<void()> task) = 0;
+
   // How many connect() calls are in progress: past their start (from there
   // on a ~Transport on another thread cancels them rather than racing them;
   // see Lifetimes) and not yet returned. For diagnostics and tests.

@@ -1507,6 +1507,10 @@ class TcpTransport final : public Transport {
   }
 
   bool on_io_thread() const noexcept override { return core_->io->on_io_thread(); }
+  std::uint32_t num_io_threads() const noexcept override { return core_->io->size(); }
+  bool post_to_io_thread(std::uint32_t index, std::function<void()> task) override {
+    return core_->io->post(core_->io->context(index), std::move(task));
+  }
   std::size_t connects_in_progress() const noexcept override { return core_->connects_in_progress(); }
 
  private:

@@ -782,5 +782,62 @@ TEST(ServerLiveness, AStuckShardFailsTheCheckUntilItTakesItsProbe) {
   EXPECT_FALSE(cv.wait_for(lock, 300ms, [&] { return passes > 2; })) << passes << " probes taken";
 }
 
+// The same for the transport's I/O threads: one stalled in a handler (the
+// sync point plays it) fails the check, named as an I/O thread, while the
+// shards pass, and it passes again once the thread takes its probe.
+TEST(ServerLiveness, AStuckIoThreadFailsTheCheckUntilItTakesItsProbe) {
+  if (!sync_point::kCompiled) GTEST_SKIP() << "needs EMBER_SYNC_POINTS";
+  sync_point::ScopedClear clear;
+  LocalServer local(base_config(1));
+  ASSERT_TRUE(local.server);
+  std::mutex mutex;
+  std::condition_variable cv;
+  int passes = 0;
+  bool release = false;
+  sync_point::set("Server::io_probe", [&] {
+    std::unique_lock lock(mutex);
+    if (++passes == 1) {
+      cv.notify_all();
+      cv.wait(lock, [&] { return release; });
+    }
+    cv.notify_all();
+  });
+  ASSERT_TRUE(local.server->check_liveness());  // posts the first probes
+  {
+    std::unique_lock lock(mutex);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return passes >= 1; }));
+  }
+  // It fails from now on; once the shard threads have taken theirs, only
+  // the I/O thread is named.
+  Status stuck = local.server->check_liveness();
+  ASSERT_FALSE(stuck);
+  const auto shard_deadline = std::chrono::steady_clock::now() + 10s;
+  while (stuck.error().message().find("shard thread") != std::string::npos &&
+         std::chrono::steady_clock::now() < shard_deadline) {
+    std::this_thread::sleep_for(10ms);
+    stuck = local.server->check_liveness();
+    ASSERT_FALSE(stuck);
+  }
+  EXPECT_EQ(stuck.error().code(), ErrorCode::kTimeout);
+  EXPECT_EQ(stuck.error().message().rfind("I/O thread(s) ", 0), 0u) << stuck.error().message();
+  EXPECT_NE(stuck.error().message().find(" of server 0 took no request"), std::string::npos)
+      << stuck.error().message();
+  {
+    std::lock_guard lock(mutex);
+    release = true;
+  }
+  cv.notify_all();
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  Status again = local.server->check_liveness();
+  while (!again && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+    again = local.server->check_liveness();
+  }
+  EXPECT_TRUE(again) << again.error().to_string();
+  std::unique_lock lock(mutex);
+  EXPECT_TRUE(cv.wait_for(lock, 10s, [&] { return passes >= 2; }));
+  EXPECT_FALSE(cv.wait_for(lock, 300ms, [&] { return passes > 2; })) << passes << " probes taken";
+}
+
 }  // namespace
 }  // namespace ember
