@@ -9,21 +9,33 @@
 
 namespace ember::server {
 
+namespace {
+
+Error superseded(std::uint32_t rank) {
+  return Error(ErrorCode::kCancelled,
+               fmt::format("barrier of worker {} came on a connection that a newer join of that "
+                           "rank replaced (the worker reconnected or was restarted); only the "
+                           "newest connection's barriers count",
+                           rank));
+}
+
+}  // namespace
+
 BarrierCore::BarrierCore(std::uint32_t num_workers, proto::LossPolicy policy,
-                         std::chrono::nanoseconds worker_timeout,
-                         std::shared_ptr<BarrierNumbers> numbers)
+                         std::chrono::nanoseconds worker_timeout)
     : membership_(num_workers, policy, worker_timeout),
       waiting_(num_workers),
       answered_(num_workers),
-      numbers_(std::move(numbers)) {
-  EMBER_CHECK_MSG(!numbers_ || numbers_->size() == num_workers, "{} numbers for {} workers",
-                  numbers_->size(), num_workers);
-}
+      joined_on_(num_workers, 0) {}
 
 void BarrierCore::on_barrier(const Request& request, TimePoint /*now*/, ReplySink& sink) {
   const std::uint32_t rank = request.header.worker_rank;
   EMBER_CHECK_MSG(rank < waiting_.size(), "rank {} of {}", rank, waiting_.size());
   const std::uint64_t number = request.header.step;
+  if (request.to.connection_id < joined_on_[rank]) {
+    sink.error(request.to, request.header, superseded(rank));
+    return;
+  }
   const auto& answered = answered_[rank];
   if (!answered.empty() && number <= answered.back().number) {
     // Answered already; the answer went with the connection it was sent on.
@@ -96,7 +108,6 @@ void BarrierCore::settle(ReplySink& sink) {
         sink.reply(a.to, reply, {});
         answered_[r].push_back(Answered{a.header.step, generation_});
         if (answered_[r].size() > kAnsweredKept) answered_[r].pop_front();
-        if (numbers_) (*numbers_)[r].store(a.header.step + 1, std::memory_order_release);
         waiting_[r].pop_front();
       }
       ++generation_;
@@ -132,6 +143,20 @@ void BarrierCore::drop_connection(std::uint64_t connection_id) {
   for (auto& waiting : waiting_) {
     std::erase_if(waiting, [&](const Request& q) { return q.to.connection_id == connection_id; });
   }
+}
+
+std::uint64_t BarrierCore::on_join(std::uint32_t rank, std::uint64_t connection_id,
+                                   ReplySink& sink) {
+  EMBER_CHECK_MSG(rank < waiting_.size(), "rank {} of {}", rank, waiting_.size());
+  joined_on_[rank] = std::max(joined_on_[rank], connection_id);
+  // Removing waiting barriers completes no generation: nothing to settle.
+  std::erase_if(waiting_[rank], [&](const Request& q) {
+    if (q.to.connection_id >= joined_on_[rank]) return false;
+    sink.error(q.to, q.header, superseded(rank));
+    return true;
+  });
+  const auto& answered = answered_[rank];
+  return answered.empty() ? 0 : answered.back().number + 1;
 }
 
 std::uint32_t BarrierCore::num_waiting() const noexcept {

@@ -16,11 +16,14 @@
 // (more get kInvalidArgument).
 // If a missing rank is failed (policy fail, or wait past worker_timeout), the
 // waiting ranks get ErrorCode::kWorkerLost and the generation stays open.
+// A rank's join on a new connection (on_join) supersedes its older
+// connections: their waiting barriers are cancelled and their later ones
+// refused, so a restarted worker's predecessor cannot complete a barrier
+// after the join reply has told the new process which number comes next.
 //
 // Pure and thread-free like ShardCore; one thread owns it.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -32,19 +35,10 @@
 
 namespace ember::server {
 
-// Per rank, the number its next barrier carries: one past its last answered
-// one (0 before any). Written by the core's thread, read by the join handler
-// on I/O threads (the join reply of server 0 gives it, so that a restarted
-// worker goes on numbering where its predecessor stopped).
-using BarrierNumbers = std::vector<std::atomic<std::uint64_t>>;
-
 class BarrierCore {
  public:
-  // `numbers` (may be null): where the next numbers are published; it must
-  // hold num_workers entries.
   BarrierCore(std::uint32_t num_workers, proto::LossPolicy policy,
-              std::chrono::nanoseconds worker_timeout,
-              std::shared_ptr<BarrierNumbers> numbers = nullptr);
+              std::chrono::nanoseconds worker_timeout);
 
   // pre: request.header.worker_rank < num_workers.
   void on_barrier(const Request& request, TimePoint now, ReplySink& sink);
@@ -54,6 +48,13 @@ class BarrierCore {
   void on_tick(TimePoint now, ReplySink& sink);
   std::optional<TimePoint> next_deadline() const { return membership_.next_deadline(); }
   void drop_connection(std::uint64_t connection_id);
+  // `rank` joined on `connection_id` (server 0's join reply carries the
+  // result): its waiting barriers from older connections get
+  // ErrorCode::kCancelled, and barriers that arrive later from those get it
+  // too. Returns the number its next barrier carries: one past its last
+  // answered one (0 before any), so that a restarted worker goes on
+  // numbering where its predecessor stopped. pre: rank < num_workers.
+  std::uint64_t on_join(std::uint32_t rank, std::uint64_t connection_id, ReplySink& sink);
 
   std::uint64_t generation() const noexcept { return generation_; }
   std::uint32_t num_waiting() const noexcept;
@@ -75,7 +76,9 @@ class BarrierCore {
   // Per rank: its last answered barriers (at most kAnsweredKept), oldest
   // first.
   std::vector<std::deque<Answered>> answered_;
-  std::shared_ptr<BarrierNumbers> numbers_;
+  // Per rank: the connection of its newest join (0 before any); barriers
+  // from older connections are refused.
+  std::vector<std::uint64_t> joined_on_;
   std::uint64_t generation_ = 0;
 };
 

@@ -212,9 +212,6 @@ struct Server::Impl final : ReplySink {
   // Communication pattern recording ([communication] record_pattern); null
   // when off. Declared before the shards: their threads call its hooks.
   std::unique_ptr<record::Recorder> recorder;
-  // Server 0: each rank's next barrier number, for the join reply (null on
-  // other servers).
-  std::shared_ptr<BarrierNumbers> barrier_numbers;
   std::vector<std::unique_ptr<Shard>> shards;
   // Per shard, then per transport I/O thread: whether it took its last
   // liveness probe (check_liveness; the calling thread's).
@@ -670,9 +667,6 @@ Status Server::Impl::init(const config::Config& cfg) {
   EMBER_ASSIGN_OR_RETURN(transport::Options topts, proto::transport_options(config));
   transport_kind = topts.kind;
   inline_small = transport_kind == transport::Kind::kShm;
-  if (sc.server_index == 0) {
-    barrier_numbers = std::make_shared<BarrierNumbers>(config.cluster.num_workers);
-  }
   for (std::uint32_t i = 0; i < sc.num_shards; ++i) {
     ShardOptions so;
     so.index = i;
@@ -685,7 +679,6 @@ Status Server::Impl::init(const config::Config& cfg) {
     so.core.lend_params =
         transport_kind == transport::Kind::kTcp && sc.consistency == config::Consistency::kBsp;
     so.has_barrier = i == 0 && sc.server_index == 0;
-    if (so.has_barrier) so.barrier_numbers = barrier_numbers;
     if (!sc.shard_cpu_affinity.empty()) {
       so.cpu = sc.shard_cpu_affinity[i % sc.shard_cpu_affinity.size()];
     }
@@ -1266,9 +1259,24 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
   const auto body_bytes = proto::encode_body(rb);
   rejoin(c);  // before the reply: the shards see the rank back before its requests
   proto::Header reply = proto::reply_header(h);
-  // Server 0's: the number the rank's next barrier carries (BarrierCore).
-  reply.step = barrier_numbers ? (*barrier_numbers)[c.rank].load(std::memory_order_acquire) : 0;
-  send_message(ReplyTo{c.id, channel}, reply, body_bytes);
+  const ReplyTo to{c.id, channel};
+  if (config.server.server_index != 0) {
+    send_message(to, reply, body_bytes);
+    return;
+  }
+  // Server 0's reply carries the number the rank's next barrier carries. The
+  // barrier's shard gives it as it supersedes the rank's older connections
+  // (BarrierCore::on_join), so no barrier of a predecessor completes after
+  // the number is read.
+  ShardItem item;
+  item.kind = ShardItem::Kind::kJoined;
+  item.rank = c.rank;
+  item.request.to = to;
+  item.joined = [this, to, reply, body_bytes](std::uint64_t next) mutable {
+    reply.step = next;
+    send_message(to, reply, body_bytes);
+  };
+  shards[0]->post(std::move(item));
 }
 
 void Server::Impl::handle_set_lr(ConnState& c, std::uint32_t channel, const proto::MessageView& m) {

@@ -42,7 +42,7 @@ Shard::Shard(ShardOptions options, Optimizer optimizer, ShardHooks hooks,
       ring_(std::move(ring)) {
   if (options_.has_barrier) {
     barrier_.emplace(options_.core.num_workers, options_.core.loss_policy,
-                     options_.core.worker_timeout, options_.barrier_numbers);
+                     options_.core.worker_timeout);
   }
   membership_seq_.assign(options_.core.num_workers, 0);
 }
@@ -246,6 +246,11 @@ void Shard::handle(ShardItem& item) {
     case ShardItem::Kind::kSendRaw:
       if (hooks_.send_raw) hooks_.send_raw(item.request.to, item.raw);
       break;
+    case ShardItem::Kind::kJoined: {
+      const std::uint64_t next = barrier_ ? barrier_->on_join(item.rank, item.request.to.connection_id, sink) : 0;
+      if (item.joined) item.joined(next);
+      break;
+    }
     case ShardItem::Kind::kProbe:
       // Passed by the shard thread as it takes a liveness probe: a test
       // stalls it here to play a stuck shard.

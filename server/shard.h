@@ -64,6 +64,8 @@ struct ShardItem {
     kSendReply,       // request.header with raw as its float32 data to request.to,
                       // through hooks.sink->reply (a large reply made on an I/O thread)
     kProbe,           // countdown: arrives when the shard thread takes it (liveness)
+    kJoined,          // rank joined on request.to.connection_id; joined(its next barrier
+                      // number) runs on the shard thread (the barrier's shard only)
   };
   Kind kind = Kind::kRequest;
   std::uint32_t rank = 0;
@@ -79,6 +81,7 @@ struct ShardItem {
   // not numbered (always applied).
   std::uint64_t membership_seq = 0;
   std::shared_ptr<Countdown> countdown;
+  std::function<void(std::uint64_t)> joined;  // kJoined
   std::shared_ptr<SnapshotCollector> collector;
   std::vector<std::byte> raw;
   TimePoint received{};
@@ -91,9 +94,6 @@ struct ShardOptions {
   std::uint32_t index = 0;
   CoreOptions core;
   bool has_barrier = false;  // shard 0 of server 0
-  // With has_barrier (may be null): where the barrier publishes each rank's
-  // next barrier number (BarrierCore), num_workers entries.
-  std::shared_ptr<BarrierNumbers> barrier_numbers;
   std::optional<std::uint32_t> cpu;  // pin the thread here
   std::size_t ring_slots = 1024;     // per producer lane
   std::size_t max_producers = 64;

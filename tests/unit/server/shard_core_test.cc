@@ -1112,19 +1112,21 @@ TEST(BarrierCore, ReleasesEveryoneWhenAllArrive) {
 // A barrier answered on a connection that then closed is re-sent by the
 // worker with the same number: answered again with its generation, not
 // counted in the next one (which would release the others one barrier early
-// and leave this rank's next barrier alone). The numbers published for the
-// join reply are one past each rank's last answered one.
+// and leave this rank's next barrier alone). The join of the new connection
+// gives one past the rank's last answered number.
 TEST(BarrierCore, AReSentAnsweredBarrierIsAnsweredAgainNotCountedInTheNext) {
-  auto numbers = std::make_shared<BarrierNumbers>(2);
-  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1), numbers);
+  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1));
   RecordingSink sink;
+  EXPECT_EQ(b.on_join(0, 100, sink), 0u);
+  EXPECT_EQ(b.on_join(1, 101, sink), 0u);
   b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
   b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0), kT0, sink);
   ASSERT_EQ(sink.sent.size(), 2u);
-  EXPECT_EQ((*numbers)[0].load(), 1u);
-  EXPECT_EQ((*numbers)[1].load(), 1u);
   sink.sent.clear();
-  // Rank 1's answer was lost: its re-send (number 0) on a new connection.
+  // Rank 1's answer was lost: it joins on a new connection and re-sends
+  // (number 0) there.
+  EXPECT_EQ(b.on_join(1, 555, sink), 1u);
+  EXPECT_TRUE(sink.sent.empty());
   b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0, 555), kT0, sink);
   ASSERT_EQ(sink.sent.size(), 1u);
   EXPECT_EQ(sink.sent[0].to.connection_id, 555u);
@@ -1134,11 +1136,56 @@ TEST(BarrierCore, AReSentAnsweredBarrierIsAnsweredAgainNotCountedInTheNext) {
   // Rank 0's next barrier waits for rank 1's next one.
   b.on_barrier(req(MsgType::kBarrier, 0, 0, 1, 0), kT0, sink);
   EXPECT_TRUE(sink.sent.empty());
-  b.on_barrier(req(MsgType::kBarrier, 1, 0, 1, 0), kT0, sink);
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 1, 0, 555), kT0, sink);
   ASSERT_EQ(sink.sent.size(), 2u);
   for (auto& s : sink.sent) EXPECT_EQ(s.header.step, 1u);
   EXPECT_EQ(b.generation(), 2u);
-  EXPECT_EQ((*numbers)[1].load(), 2u);
+  EXPECT_EQ(b.on_join(1, 556, sink), 2u);
+}
+
+// A restarted worker joins while its predecessor's barrier still waits on
+// the old connection (not yet seen closed). The join cancels that barrier
+// and refuses the old connection's later ones, so the number the join gives
+// (the predecessor's waiting one) is the new process's to complete: the
+// predecessor's copy can no longer complete it first, which would answer the
+// new process's first barrier from history, one barrier behind the others.
+TEST(BarrierCore, AJoinSupersedesTheRanksOlderConnections) {
+  BarrierCore b(2, proto::LossPolicy::kWait, std::chrono::seconds(1));
+  RecordingSink sink;
+  EXPECT_EQ(b.on_join(1, 101, sink), 0u);
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0, 101), kT0, sink);  // the predecessor's
+  EXPECT_EQ(b.num_waiting(), 1u);
+  EXPECT_EQ(b.on_join(1, 201, sink), 0u);  // the restarted process
+  ASSERT_EQ(sink.sent.size(), 1u);
+  EXPECT_EQ(sink.sent[0].to.connection_id, 101u);
+  EXPECT_TRUE(sink.sent[0].is_error);
+  EXPECT_EQ(sink.sent[0].error.code(), ErrorCode::kCancelled);
+  EXPECT_EQ(b.num_waiting(), 0u);
+  sink.sent.clear();
+  // A copy still buffered on the old connection arrives late: refused, not
+  // counted.
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0, 101), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 1u);
+  EXPECT_TRUE(sink.sent[0].is_error);
+  EXPECT_EQ(sink.sent[0].error.code(), ErrorCode::kCancelled);
+  sink.sent.clear();
+  b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0), kT0, sink);
+  EXPECT_TRUE(sink.sent.empty());  // rank 1's new process has not arrived
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 0, 0, 201), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 2u);
+  for (auto& s : sink.sent) {
+    EXPECT_FALSE(s.is_error);
+    EXPECT_EQ(s.header.step, 0u);
+  }
+  EXPECT_NE(sink.sent[0].to.connection_id, 101u);
+  EXPECT_NE(sink.sent[1].to.connection_id, 101u);
+  // An older join arriving late (another I/O thread) does not move the
+  // rank back to its older connection.
+  EXPECT_EQ(b.on_join(1, 150, sink), 1u);
+  b.on_barrier(req(MsgType::kBarrier, 1, 0, 1, 0, 150), kT0, sink);
+  ASSERT_EQ(sink.sent.size(), 3u);
+  EXPECT_TRUE(sink.sent[2].is_error);
+  EXPECT_EQ(sink.sent[2].error.code(), ErrorCode::kCancelled);
 }
 
 // barrier() called twice before the first finished: the second waits for
