@@ -65,10 +65,10 @@ void BarrierCore::on_barrier(const Request& request, TimePoint /*now*/, ReplySin
     return q.header.step >= number;
   });
   if (at != waiting.end() && at->header.step == number) {
-    // The re-send on the newest connection is the one to answer: connection
-    // ids only grow, and an original still buffered on the dead connection
-    // can arrive after its re-send (another I/O thread), to be dropped with
-    // that connection.
+    // A re-send of a waiting barrier. Between joined connections the
+    // newest join already refused the older ones above; the same or a newer
+    // connection replaces it (a rank's connection ids grow in the order they
+    // are admitted), an older one is dropped with that connection.
     if (request.to.connection_id >= at->to.connection_id) *at = request;
     return;
   }

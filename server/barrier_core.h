@@ -7,7 +7,8 @@
 // arrived, with the barrier's generation number in the reply's step, then
 // opens the next generation. A rank that arrives twice in one generation (a
 // re-send after a reconnect, before the answer) replaces its earlier request
-// when it came on the same or a newer connection (connection ids grow).
+// when it came on the same or a newer connection (the server gives a rank's
+// connections growing ids in the order it admits them).
 // A barrier whose number the rank had answered already (a re-send whose
 // answer was lost with its connection; the last 17 are kept) is answered
 // again at once with its generation, and not counted in the open one. A
@@ -18,8 +19,12 @@
 // waiting ranks get ErrorCode::kWorkerLost and the generation stays open.
 // A rank's join on a new connection (on_join) supersedes its older
 // connections: their waiting barriers are cancelled and their later ones
-// refused, so a restarted worker's predecessor cannot complete a barrier
-// after the join reply has told the new process which number comes next.
+// refused (ErrorCode::kCancelled; the server has closed those connections
+// before it admits the new one, so the error rarely has anyone to reach),
+// so a restarted worker's predecessor cannot complete a barrier after the
+// join reply has told the new process which number comes next. Server 0
+// therefore answers a join from this core's shard thread, behind whatever
+// that shard has queued.
 //
 // Pure and thread-free like ShardCore; one thread owns it.
 #pragma once

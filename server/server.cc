@@ -873,6 +873,12 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
              state);
       return;
     }
+    // A member's id is taken here, under the lock that admits one
+    // connection per rank at a time: a rank's connections get growing ids
+    // in the order they are admitted, which BarrierCore::on_join relies on
+    // (the id taken in new_state() could be older than that of a connection
+    // of the rank admitted, and closed, in between).
+    state->id = next_conn_id.fetch_add(1, std::memory_order_relaxed);
     by_ptr[conn.get()] = state;
     by_id[state->id] = state;
     state->member = true;
@@ -1272,10 +1278,12 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
   item.kind = ShardItem::Kind::kJoined;
   item.rank = c.rank;
   item.request.to = to;
-  item.joined = [this, to, reply, body_bytes](std::uint64_t next) mutable {
-    reply.step = next;
-    send_message(to, reply, body_bytes);
-  };
+  item.joined = std::make_shared<const std::function<void(std::uint64_t)>>(
+      [this, to, reply, body_bytes](std::uint64_t next) {
+        proto::Header numbered = reply;
+        numbered.step = next;
+        send_message(to, numbered, body_bytes);
+      });
   shards[0]->post(std::move(item));
 }
 
@@ -1785,8 +1793,8 @@ Status Server::check_liveness() {
     what += fmt::format("{}I/O thread(s) {}", what.empty() ? "" : " and ", fmt::join(io_stuck, ", "));
   }
   return make_error(ErrorCode::kTimeout,
-                    "{} of server {} took no request since the previous liveness check (stuck "
-                    "in one request, or starved of CPU)",
+                    "{} of server {} ran no task since the previous liveness check (stuck in "
+                    "one, or starved of CPU)",
                     what, impl_->config.server.server_index);
 }
 

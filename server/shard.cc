@@ -248,7 +248,7 @@ void Shard::handle(ShardItem& item) {
       break;
     case ShardItem::Kind::kJoined: {
       const std::uint64_t next = barrier_ ? barrier_->on_join(item.rank, item.request.to.connection_id, sink) : 0;
-      if (item.joined) item.joined(next);
+      if (item.joined) (*item.joined)(next);
       break;
     }
     case ShardItem::Kind::kProbe:

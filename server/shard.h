@@ -81,7 +81,8 @@ struct ShardItem {
   // not numbered (always applied).
   std::uint64_t membership_seq = 0;
   std::shared_ptr<Countdown> countdown;
-  std::function<void(std::uint64_t)> joined;  // kJoined
+  // kJoined (behind a pointer: every request item carries this field)
+  std::shared_ptr<const std::function<void(std::uint64_t)>> joined;
   std::shared_ptr<SnapshotCollector> collector;
   std::vector<std::byte> raw;
   TimePoint received{};

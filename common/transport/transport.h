@@ -477,8 +477,8 @@ class Transport {
   // otherwise) behind what is already queued there. ember-server's watchdog
   // posts its liveness probes this way: a thread stuck in one handler never
   // runs the task. Thread-safe; never blocks. Returns false, with `task`
-  // destroyed unrun, once ~Transport has begun (no error code: the caller
-  // is shutting the transport down itself).
+  // destroyed unrun, once ~Transport has begun joining its I/O threads (no
+  // error code: the caller is shutting the transport down itself).
   virtual std::uint32_t num_io_threads() const noexcept = 0;
   [[nodiscard]] virtual bool post_to_io_thread(std::uint32_t index, std::function<void()> task) = 0;
 
