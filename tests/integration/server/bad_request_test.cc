@@ -450,6 +450,14 @@ TEST(BadRequestsBsp, ARefusedJoinIsAnsweredThenClosed) {
   ASSERT_TRUE(w1) << w1.error().to_string();
 
   w1->reset();  // rank 1 leaves in order: "fail" fails it
+  // Until the server has seen that close, a new connection as rank 1 is
+  // refused as a second live one ("rank 1 is already connected").
+  const auto seen_by = std::chrono::steady_clock::now() + 10s;
+  while (job.server->log().find("disconnected") == std::string::npos &&
+         std::chrono::steady_clock::now() < seen_by) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_NE(job.server->log().find("disconnected"), std::string::npos) << job.server->log();
 
   // A connection that spoke as rank 1 (a push: rank 1 is back) and then
   // sends a bad join is rank 1's loss when it is closed: rank 0's next round
