@@ -731,26 +731,6 @@ TEST(WorkerClient, LargeBuffersSpanConsecutivePoolBlocksAndTravel) {
   EXPECT_TRUE(again.in_pool());
 }
 
-// After a stalled probe (the first to pass its sync point, counted in
-// `passes`) is released: the failed checks queued no probe behind it (one
-// would pass the sync point right after it), and the check passes again.
-void expect_probe_taken_again(server::Server& server, std::mutex& mutex,
-                              std::condition_variable& cv, int& passes) {
-  {
-    std::unique_lock lock(mutex);
-    EXPECT_FALSE(cv.wait_for(lock, 300ms, [&] { return passes > 1; })) << passes << " probes taken";
-  }
-  const auto deadline = std::chrono::steady_clock::now() + 10s;
-  Status again = server.check_liveness();
-  while (!again && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(10ms);
-    again = server.check_liveness();
-  }
-  EXPECT_TRUE(again) << again.error().to_string();
-  std::unique_lock lock(mutex);
-  EXPECT_TRUE(cv.wait_for(lock, 10s, [&] { return passes >= 2; }));  // the fresh probe
-}
-
 // One shard thread and one I/O thread, whatever the defaults: the liveness
 // tests count the probes that pass one sync point, and stall the first.
 config::Config one_thread_each() {
@@ -760,33 +740,70 @@ config::Config one_thread_each() {
   return c;
 }
 
+// A server whose first liveness probe to pass `sync_point_name` stalls there
+// (a stuck thread) until release().
+struct StalledProbe {
+  // Declared before the server: a probe still queued at the end passes the
+  // sync point while the server shuts down.
+  std::mutex mutex;
+  std::condition_variable cv;
+  int passes = 0;  // probes that passed the sync point
+  bool released = false;
+  sync_point::ScopedClear clear;
+  LocalServer local{one_thread_each()};
+
+  explicit StalledProbe(const char* sync_point_name) {
+    sync_point::set(sync_point_name, [this] {
+      std::unique_lock lock(mutex);
+      if (++passes == 1) {
+        cv.notify_all();
+        cv.wait(lock, [&] { return released; });
+      }
+      cv.notify_all();
+    });
+  }
+  // Posts the first probes; true once one of them is stalled.
+  bool stall() {
+    if (!local.server->check_liveness()) return false;  // the first check passes
+    std::unique_lock lock(mutex);
+    return cv.wait_for(lock, 10s, [&] { return passes >= 1; });
+  }
+  // Lets the stalled probe go. Then: the failed checks queued no probe
+  // behind it (one would pass the sync point right after it), and the check
+  // passes again, with a fresh probe taken.
+  void release_and_expect_live_again() {
+    {
+      std::lock_guard lock(mutex);
+      released = true;
+    }
+    cv.notify_all();
+    {
+      std::unique_lock lock(mutex);
+      EXPECT_FALSE(cv.wait_for(lock, 300ms, [&] { return passes > 1; }))
+          << passes << " probes taken";
+    }
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    Status again = local.server->check_liveness();
+    while (!again && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(10ms);
+      again = local.server->check_liveness();
+    }
+    EXPECT_TRUE(again) << again.error().to_string();
+    std::unique_lock lock(mutex);
+    EXPECT_TRUE(cv.wait_for(lock, 10s, [&] { return passes >= 2; }));
+  }
+};
+
 // The watchdog's liveness check: a shard thread stalled inside one item (the
 // sync point plays a stuck request) fails the next check, naming the shard,
 // and passes again once it has taken its probe. The stalled probe is not
 // posted twice.
 TEST(ServerLiveness, AStuckShardFailsTheCheckUntilItTakesItsProbe) {
   if (!sync_point::kCompiled) GTEST_SKIP() << "needs EMBER_SYNC_POINTS";
-  sync_point::ScopedClear clear;
-  LocalServer local(one_thread_each());
-  ASSERT_TRUE(local.server);
-  std::mutex mutex;
-  std::condition_variable cv;
-  int passes = 0;
-  bool release = false;
-  sync_point::set("Shard::handle:probe", [&] {
-    std::unique_lock lock(mutex);
-    if (++passes == 1) {
-      cv.notify_all();
-      cv.wait(lock, [&] { return release; });
-    }
-    cv.notify_all();
-  });
-  ASSERT_TRUE(local.server->check_liveness());  // posts the first probes
-  {
-    std::unique_lock lock(mutex);
-    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return passes >= 1; }));
-  }
-  auto stuck = local.server->check_liveness();
+  StalledProbe probe("Shard::handle:probe");
+  ASSERT_TRUE(probe.local.server);
+  ASSERT_TRUE(probe.stall());
+  auto stuck = probe.local.server->check_liveness();
   ASSERT_FALSE(stuck);
   EXPECT_EQ(stuck.error().code(), ErrorCode::kTimeout);
   // (The I/O thread may be named too, on a loaded machine, when it has not
@@ -794,13 +811,8 @@ TEST(ServerLiveness, AStuckShardFailsTheCheckUntilItTakesItsProbe) {
   EXPECT_EQ(stuck.error().message().rfind("shard thread(s) 0 ", 0), 0u) << stuck.error().message();
   EXPECT_NE(stuck.error().message().find(" of server 0 ran no task"), std::string::npos)
       << stuck.error().message();
-  EXPECT_FALSE(local.server->check_liveness());  // fails again, posting nothing behind it
-  {
-    std::lock_guard lock(mutex);
-    release = true;
-  }
-  cv.notify_all();
-  expect_probe_taken_again(*local.server, mutex, cv, passes);
+  EXPECT_FALSE(probe.local.server->check_liveness());  // fails again, posting nothing behind it
+  probe.release_and_expect_live_again();
 }
 
 // The same for the transport's I/O threads: one stalled in a handler (the
@@ -808,47 +820,25 @@ TEST(ServerLiveness, AStuckShardFailsTheCheckUntilItTakesItsProbe) {
 // shards pass, and it passes again once the thread takes its probe.
 TEST(ServerLiveness, AStuckIoThreadFailsTheCheckUntilItTakesItsProbe) {
   if (!sync_point::kCompiled) GTEST_SKIP() << "needs EMBER_SYNC_POINTS";
-  sync_point::ScopedClear clear;
-  LocalServer local(one_thread_each());
-  ASSERT_TRUE(local.server);
-  std::mutex mutex;
-  std::condition_variable cv;
-  int passes = 0;
-  bool release = false;
-  sync_point::set("Server::io_probe", [&] {
-    std::unique_lock lock(mutex);
-    if (++passes == 1) {
-      cv.notify_all();
-      cv.wait(lock, [&] { return release; });
-    }
-    cv.notify_all();
-  });
-  ASSERT_TRUE(local.server->check_liveness());  // posts the first probes
-  {
-    std::unique_lock lock(mutex);
-    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return passes >= 1; }));
-  }
+  StalledProbe probe("Server::io_probe");
+  ASSERT_TRUE(probe.local.server);
+  ASSERT_TRUE(probe.stall());
   // It fails from now on; once the shard threads have taken theirs, only
   // the I/O thread is named.
-  Status stuck = local.server->check_liveness();
+  Status stuck = probe.local.server->check_liveness();
   ASSERT_FALSE(stuck);
   const auto shard_deadline = std::chrono::steady_clock::now() + 10s;
   while (stuck.error().message().find("shard thread") != std::string::npos &&
          std::chrono::steady_clock::now() < shard_deadline) {
     std::this_thread::sleep_for(10ms);
-    stuck = local.server->check_liveness();
+    stuck = probe.local.server->check_liveness();
     ASSERT_FALSE(stuck);
   }
   EXPECT_EQ(stuck.error().code(), ErrorCode::kTimeout);
   EXPECT_EQ(stuck.error().message().rfind("I/O thread(s) ", 0), 0u) << stuck.error().message();
   EXPECT_NE(stuck.error().message().find(" of server 0 ran no task"), std::string::npos)
       << stuck.error().message();
-  {
-    std::lock_guard lock(mutex);
-    release = true;
-  }
-  cv.notify_all();
-  expect_probe_taken_again(*local.server, mutex, cv, passes);
+  probe.release_and_expect_live_again();
 }
 
 }  // namespace
