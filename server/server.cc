@@ -1278,12 +1278,8 @@ void Server::Impl::handle_join(ConnState& c, std::uint32_t channel, const proto:
   item.kind = ShardItem::Kind::kJoined;
   item.rank = c.rank;
   item.request.to = to;
-  item.joined = std::make_shared<const std::function<void(std::uint64_t)>>(
-      [this, to, reply, body_bytes](std::uint64_t next) {
-        proto::Header numbered = reply;
-        numbered.step = next;
-        send_message(to, numbered, body_bytes);
-      });
+  item.request.header = reply;
+  item.raw.assign(body_bytes.begin(), body_bytes.end());
   shards[0]->post(std::move(item));
 }
 
@@ -1743,49 +1739,44 @@ Status Server::shutdown() { return impl_->shutdown(); }
 Result<std::uint64_t> Server::checkpoint_now() { return impl_->checkpoint_request(); }
 
 Status Server::check_liveness() {
-  // A probe still waiting from the previous call marks its thread stuck and
-  // gets no second one behind it; a taken one is replaced by a fresh probe.
-  auto check = [](std::shared_ptr<std::atomic<bool>>& probe) {
-    return !probe || probe->load(std::memory_order_acquire);
-  };
-  auto& probes = impl_->liveness_probes;
-  probes.resize(impl_->shards.size());
-  std::vector<std::uint32_t> stuck;
-  for (std::uint32_t i = 0; i < impl_->shards.size(); ++i) {
-    if (!check(probes[i])) {
-      stuck.push_back(i);
-      continue;
+  // Per thread: a probe still waiting from the previous call marks it stuck
+  // and gets no second one behind it; a taken one is replaced by a fresh
+  // probe, handed to `post` (false: not posted, nothing to watch).
+  using Probes = std::vector<std::shared_ptr<std::atomic<bool>>>;
+  auto sweep = [](Probes& probes, std::size_t threads, const auto& post) {
+    probes.resize(threads);
+    std::vector<std::uint32_t> stuck;
+    for (std::uint32_t i = 0; i < threads; ++i) {
+      if (probes[i] && !probes[i]->load(std::memory_order_acquire)) {
+        stuck.push_back(i);
+        continue;
+      }
+      probes[i] = std::make_shared<std::atomic<bool>>(false);
+      if (!post(i, probes[i])) probes[i].reset();
     }
-    auto taken = std::make_shared<std::atomic<bool>>(false);
-    probes[i] = taken;
+    return stuck;
+  };
+  auto& shards = impl_->shards;
+  const auto stuck = sweep(impl_->liveness_probes, shards.size(), [&](std::uint32_t i, auto taken) {
     ShardItem item;
     item.kind = ShardItem::Kind::kProbe;
     item.countdown = std::make_shared<Countdown>(
         1, [taken] { taken->store(true, std::memory_order_release); });
-    impl_->shards[i]->post(std::move(item));
-  }
+    shards[i]->post(std::move(item));
+    return true;
+  });
   // The transport's I/O threads: one stuck in a handler stops every
   // connection it serves as surely as a stuck shard stops its keys.
-  std::vector<std::uint32_t> io_stuck;
-  auto& io_probes = impl_->io_liveness_probes;
-  if (impl_->transport) {
-    io_probes.resize(impl_->transport->num_io_threads());
-    for (std::uint32_t i = 0; i < io_probes.size(); ++i) {
-      if (!check(io_probes[i])) {
-        io_stuck.push_back(i);
-        continue;
-      }
-      auto taken = std::make_shared<std::atomic<bool>>(false);
-      io_probes[i] = taken;
-      const bool posted = impl_->transport->post_to_io_thread(i, [taken] {
-        // Passed by the I/O thread as it takes the probe: a test stalls it
-        // here to play a stuck handler.
-        EMBER_SYNC_POINT("Server::io_probe");
-        taken->store(true, std::memory_order_release);
-      });
-      if (!posted) io_probes[i].reset();  // the transport is closing: nothing to watch
-    }
-  }
+  auto& transport = impl_->transport;
+  const auto io_stuck = sweep(impl_->io_liveness_probes, transport ? transport->num_io_threads() : 0,
+                              [&](std::uint32_t i, auto taken) {
+                                return transport->post_to_io_thread(i, [taken] {
+                                  // Passed by the I/O thread as it takes the probe: a
+                                  // test stalls it here to play a stuck handler.
+                                  EMBER_SYNC_POINT("Server::io_probe");
+                                  taken->store(true, std::memory_order_release);
+                                });
+                              });
   if (stuck.empty() && io_stuck.empty()) return ok_status();
   std::string what;
   if (!stuck.empty()) what = fmt::format("shard thread(s) {}", fmt::join(stuck, ", "));

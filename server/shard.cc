@@ -246,11 +246,13 @@ void Shard::handle(ShardItem& item) {
     case ShardItem::Kind::kSendRaw:
       if (hooks_.send_raw) hooks_.send_raw(item.request.to, item.raw);
       break;
-    case ShardItem::Kind::kJoined: {
-      const std::uint64_t next = barrier_ ? barrier_->on_join(item.rank, item.request.to.connection_id, sink) : 0;
-      if (item.joined) (*item.joined)(next);
+    case ShardItem::Kind::kJoined:
+      item.request.header.step =
+          barrier_ ? barrier_->on_join(item.rank, item.request.to.connection_id, sink) : 0;
+      if (hooks_.send_raw) {
+        hooks_.send_raw(item.request.to, proto::encode_message(item.request.header, {}, item.raw));
+      }
       break;
-    }
     case ShardItem::Kind::kProbe:
       // Passed by the shard thread as it takes a liveness probe: a test
       // stalls it here to play a stuck shard.

@@ -64,8 +64,10 @@ struct ShardItem {
     kSendReply,       // request.header with raw as its float32 data to request.to,
                       // through hooks.sink->reply (a large reply made on an I/O thread)
     kProbe,           // countdown: arrives when the shard thread takes it (liveness)
-    kJoined,          // rank joined on request.to.connection_id; joined(its next barrier
-                      // number) runs on the shard thread (the barrier's shard only)
+    kJoined,          // rank joined on request.to.connection_id (the barrier's shard
+                      // only): request.header is server 0's join reply and raw its
+                      // body; the shard sets the step (the rank's next barrier
+                      // number) and sends it through hooks.send_raw
   };
   Kind kind = Kind::kRequest;
   std::uint32_t rank = 0;
@@ -81,8 +83,6 @@ struct ShardItem {
   // not numbered (always applied).
   std::uint64_t membership_seq = 0;
   std::shared_ptr<Countdown> countdown;
-  // kJoined (behind a pointer: every request item carries this field)
-  std::shared_ptr<const std::function<void(std::uint64_t)>> joined;
   std::shared_ptr<SnapshotCollector> collector;
   std::vector<std::byte> raw;
   TimePoint received{};
