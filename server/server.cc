@@ -343,10 +343,14 @@ struct Server::Impl final : ReplySink {
                   std::shared_ptr<const void> lease) override {
     send_message(to, header, std::as_bytes(values), std::move(lease));
   }
-  void error(const ReplyTo& to, const proto::Header& request, const Error& err) override;
-  // error() with the "bad request from worker" log line only when `log_it`
-  // (false: a failure of the server's own, logged where it happened).
-  void reply_error(const ReplyTo& to, const proto::Header& request, const Error& err, bool log_it);
+  using ReplySink::error;
+  void error(const ReplyTo& to, const proto::Header& request, const Error& err,
+             std::uint64_t reply_step) override;
+  // error() with the "bad request from worker" log line (naming `request`
+  // as it came) only when `log_it` (false: a failure of the server's own,
+  // logged where it happened).
+  void reply_error(const ReplyTo& to, const proto::Header& request, const Error& err,
+                   std::uint64_t reply_step, bool log_it);
   // Whether this is the first kOutOfStep refusal of (rank, key, chunk) (then it is logged).
   bool first_out_of_step(std::uint32_t rank, std::uint64_t key, std::uint32_t chunk);
   std::mutex out_of_step_mutex;
@@ -997,12 +1001,13 @@ bool Server::Impl::first_out_of_step(std::uint32_t rank, std::uint64_t key, std:
   return out_of_step_logged.emplace(rank, key, chunk).second;
 }
 
-void Server::Impl::error(const ReplyTo& to, const proto::Header& request, const Error& err) {
-  reply_error(to, request, err, true);
+void Server::Impl::error(const ReplyTo& to, const proto::Header& request, const Error& err,
+                         std::uint64_t reply_step) {
+  reply_error(to, request, err, reply_step, true);
 }
 
 void Server::Impl::reply_error(const ReplyTo& to, const proto::Header& request, const Error& err,
-                               bool log_it) {
+                               std::uint64_t reply_step, bool log_it) {
   error_replies->inc();
   auto c = find_id(to.connection_id);
   if (!c) return;
@@ -1017,7 +1022,9 @@ void Server::Impl::reply_error(const ReplyTo& to, const proto::Header& request, 
     log->warn("bad request from worker {} ({}): {}: {}", c->rank, c->peer, proto::describe(request),
               err.to_string());
   }
-  send_raw(to, proto::encode_error_reply(request, err));
+  proto::Header answered = request;
+  answered.step = reply_step;
+  send_raw(to, proto::encode_error_reply(answered, err));
 }
 
 void Server::Impl::send_raw(const ReplyTo& to, std::span<const std::byte> bytes) {
@@ -1525,7 +1532,7 @@ void Server::Impl::checkpoint_loop() {
         send_message(w.to, r, {});
       } else {
         // The server's own failure, logged above: not a bad request.
-        reply_error(w.to, w.header, result.error(), /*log_it=*/false);
+        reply_error(w.to, w.header, result.error(), w.header.step, /*log_it=*/false);
       }
     }
     flush_dirty();

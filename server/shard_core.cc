@@ -82,9 +82,8 @@ void ShardCore::refuse_out_of_step(Entry& e, const Request& request, std::uint64
                                    ReplySink& sink) {
   const proto::Header& h = request.header;
   const std::uint64_t at = expected_step(e, h.worker_rank);
-  proto::Header reply_to = h;
-  reply_to.step = at;  // the reply tells the worker where to continue
-  sink.error(request.to, reply_to,
+  // The reply's step tells the worker where to continue.
+  sink.error(request.to, h,
              Error(ErrorCode::kOutOfStep,
                    fmt::format("{} of step {} for {} from rank {} does not follow the "
                                "server, which is at step {} for that rank (it restarted from an "
@@ -93,7 +92,8 @@ void ShardCore::refuse_out_of_step(Entry& e, const Request& request, std::uint64
                                "{} at step {} and continue from there; Worker::step(key) now "
                                "returns {}; see docs/troubleshooting.md#out-of-step",
                                proto::msg_type_name(h.type), asked, entry_name(e.id),
-                               h.worker_rank, at, e.id.key, at, at)));
+                               h.worker_rank, at, e.id.key, at, at)),
+             at);
 }
 
 void ShardCore::reply_params(Entry& e, const Request& request, ReplySink& sink) {
@@ -221,16 +221,15 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
       // A step it skipped when it came back (on_worker_back): not a re-send
       // of a push already applied, which would be acknowledged. The reply's
       // step is where it continues (the worker moves step(key) there).
-      proto::Header reply_to = h;
-      reply_to.step = e.clocks[rank];
-      sink.error(request.to, reply_to,
+      sink.error(request.to, h,
                  Error(ErrorCode::kStale,
                        fmt::format("push of step {} for {} from rank {} is of a step it skipped "
                                    "when it came back (the others went on without it: "
                                    "on_worker_loss = \"shrink\"); its gradient is not applied; "
                                    "Worker::step(key) now returns at least {}: pull to catch up "
                                    "and push from there",
-                                   t, entry_name(e.id), rank, e.clocks[rank])));
+                                   t, entry_name(e.id), rank, e.clocks[rank])),
+                 e.clocks[rank]);
       return PushOutcome::kRefused;
     }
     ++pushes_duplicate_;
@@ -251,16 +250,15 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
     // The round closed without this rank (shrink left it out meanwhile).
     // The reply's step is where it continues: the worker moves the key's
     // step there (never back).
-    proto::Header reply_to = h;
-    reply_to.step = e.version;
-    sink.error(request.to, reply_to,
+    sink.error(request.to, h,
                Error(ErrorCode::kStale,
                      fmt::format("push of step {} for {} from rank {} arrived after that round "
                                  "closed without it (now at step {}); its gradient is not "
                                  "applied; Worker::step(key) now returns at least {}: pull to "
                                  "catch up and push from there; see "
                                  "docs/troubleshooting.md#reordered-messages",
-                                 t, entry_name(e.id), rank, e.version, e.version)));
+                                 t, entry_name(e.id), rank, e.version, e.version)),
+               e.version);
     return PushOutcome::kRefused;
   }
   if (t > expected_step(e, rank)) {

@@ -139,9 +139,17 @@ class ReplySink {
     (void)lease;
     this->reply(to, reply, values);
   }
-  // An error reply to `request`. For kOutOfStep, `request.step` is the step
-  // the server expects (the reply carries it), not the step asked.
-  virtual void error(const ReplyTo& to, const proto::Header& request, const Error& error) = 0;
+  // An error reply to `request`, whose header the reply echoes with its step
+  // set to `reply_step`. For kOutOfStep and kStale that is the step where the
+  // worker continues (Worker::step(key) moves there); `request` keeps the
+  // step asked, which is what a log line about the request names.
+  virtual void error(const ReplyTo& to, const proto::Header& request, const Error& error,
+                     std::uint64_t reply_step) = 0;
+  // The same with the reply's step the request's own. A derived class that
+  // overrides the one above writes `using ReplySink::error;` to keep this.
+  void error(const ReplyTo& to, const proto::Header& request, const Error& error) {
+    this->error(to, request, error, request.step);
+  }
 };
 
 struct CoreOptions {

@@ -838,6 +838,12 @@ TEST(BadRequestsBsp, PushForAClosedRoundIsStale) {
   ASSERT_TRUE(h);
   EXPECT_EQ(h->status, ErrorCode::kStale) << text;
   EXPECT_NE(text.find("pull to catch up"), std::string::npos) << text;
+  EXPECT_EQ(h->step, 1u) << "the reply carries the server's step, where rank 1 continues";
+  // The log line's header names the push as it came: step 0, not the server's.
+  const std::string expected = "push key=1 chunk=0/1 step=0 rank=1";
+  const auto logged = [&] { return server.log().find(expected) != std::string::npos; };
+  for (int i = 0; i < 200 && !logged(); ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(logged()) << server.log();
 }
 
 TEST(BadRequestsAuth, WrongAuthTokenFailsAtOnceWithoutRetries) {

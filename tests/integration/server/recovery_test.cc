@@ -1140,6 +1140,10 @@ TEST(ServerRecovery, OlderCheckpointRefusesTheWorkersStepAtOnceThenTheyResumeAtI
   EXPECT_EQ(count(log, "bad request from worker 0 (127.0.0.1"), 1u) << log;
   EXPECT_EQ(count(log, "bad request from worker 1 (127.0.0.1"), 1u) << log;
   EXPECT_NE(log.find("see docs/troubleshooting.md#out-of-step"), std::string::npos) << log;
+  // The request as it came (its step), not the server's step the reply carries.
+  EXPECT_NE(log.find(fmt::format("push_pull key=5 chunk=0/1 step={} rank=0", k + 3)),
+            std::string::npos)
+      << log;
 }
 
 TEST(ServerRecovery, OlderCheckpointUnderAspAcceptsTheWorkersStep) {

@@ -27,6 +27,8 @@ struct Sent {
   // reply_lent: the lent values (not a copy) and the lease keeping them.
   std::span<const float> lent;
   std::shared_ptr<const void> lease;
+  // error: the step of the request it answers (header.step is the reply's).
+  std::uint64_t asked_step = 0;
 };
 
 class RecordingSink : public ReplySink {
@@ -39,8 +41,14 @@ class RecordingSink : public ReplySink {
     sent.push_back(Sent{to, reply, {values.begin(), values.end()}, false, {}, values,
                         std::move(lease)});
   }
-  void error(const ReplyTo& to, const Header& request, const Error& error) override {
-    sent.push_back(Sent{to, request, {}, true, error, {}, nullptr});
+  using ReplySink::error;
+  // Records the error reply as it goes out: the request's header with the
+  // reply's step; `asked_step` keeps the request's own.
+  void error(const ReplyTo& to, const Header& request, const Error& error,
+             std::uint64_t reply_step) override {
+    Header answered = request;
+    answered.step = reply_step;
+    sent.push_back(Sent{to, answered, {}, true, error, {}, nullptr, request.step});
   }
   std::vector<Sent> take() { return std::exchange(sent, {}); }
   std::vector<Sent> sent;
@@ -477,7 +485,8 @@ TEST_F(ShardCoreTest, AStalePushIsToldTheServersStep) {
   auto s = sink.take();
   ASSERT_EQ(s.size(), 1u);
   EXPECT_EQ(s[0].error.code(), ErrorCode::kStale);
-  EXPECT_EQ(s[0].header.step, 3u);
+  EXPECT_EQ(s[0].header.step, 3u) << "the reply carries the server's step";
+  EXPECT_EQ(s[0].asked_step, 0u) << "the log names the push's";
   push(1, 1, 3, {1});  // from the server's step: joins the open round
   push(0, 1, 3, {1});
   EXPECT_EQ(core->stats().rounds_completed, 4u);
@@ -559,7 +568,8 @@ TEST_F(ShardCoreTest, SspPushesOfSkippedStepsAreStaleAndTellTheClock) {
   s = sink.take();
   ASSERT_EQ(s.size(), 1u);
   EXPECT_EQ(s[0].error.code(), ErrorCode::kStale);
-  EXPECT_EQ(s[0].header.step, 5u);
+  EXPECT_EQ(s[0].header.step, 5u) << "the reply carries the rank's clock";
+  EXPECT_EQ(s[0].asked_step, 2u) << "the log names the push's step";
   const auto applied = core->stats().pushes_applied;
   push(1, 1, 5, {1});  // from the clock: applied
   EXPECT_EQ(core->stats().pushes_applied, applied + 1);

@@ -22,7 +22,8 @@ class CollectingSink : public ReplySink {
     steps.push_back(h.type == proto::MsgType::kInit ? ~std::uint64_t{0} : h.step);
     cv.notify_all();
   }
-  void error(const ReplyTo&, const proto::Header& h, const Error& e) override {
+  using ReplySink::error;
+  void error(const ReplyTo&, const proto::Header& h, const Error& e, std::uint64_t) override {
     std::lock_guard lock(mutex);
     errors.push_back(fmt::format("{}: {}", proto::describe(h), e.to_string()));
     cv.notify_all();
