@@ -346,6 +346,11 @@ struct Server::Impl final : ReplySink {
   using ReplySink::error;
   void error(const ReplyTo& to, const proto::Header& request, const Error& err,
              std::uint64_t reply_step) override;
+  // ember_server_worker_step: pushes the shard recorded, not every push seen
+  // (a refused one names a step the rank never reaches).
+  void push_recorded(std::uint32_t rank, std::uint64_t step) override {
+    if (rank < worker_step.size()) worker_step[rank]->raise_to(static_cast<double>(step));
+  }
   // error() with the "bad request from worker" log line (naming `request`
   // as it came) only when `log_it` (false: a failure of the server's own,
   // logged where it happened).
@@ -425,7 +430,7 @@ void Server::Impl::make_metrics() {
   }
   for (std::uint32_t r = 0; r < std::min(config.cluster.num_workers, kMaxRankGauges); ++r) {
     worker_step.push_back(&registry.gauge("ember_server_worker_step",
-                                          "Highest push step seen from a worker rank",
+                                          "Highest push step recorded from a worker rank (refused pushes do not count)",
                                           {{"rank", std::to_string(r)}}));
   }
   const auto buckets = metrics::latency_us_buckets();
@@ -1191,10 +1196,6 @@ void Server::Impl::dispatch(ConnState& c, std::uint32_t channel, const proto::He
     // Before the post: the shard may handle it at once (head <= tail).
     item.message_bytes = proto::prefix_bytes(h) + item.payload.size() * sizeof(float);
     recorder->on_enqueue(channel, h.worker_rank, item.message_bytes);
-  }
-  if ((h.type == proto::MsgType::kPush || h.type == proto::MsgType::kPushPull) &&
-      h.worker_rank < worker_step.size() && static_cast<double>(h.step) > worker_step[h.worker_rank]->value()) {
-    worker_step[h.worker_rank]->set(static_cast<double>(h.step));
   }
   const std::uint32_t s = h.type == proto::MsgType::kBarrier
                               ? 0

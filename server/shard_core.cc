@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -234,6 +235,15 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
     }
     ++pushes_duplicate_;
     return PushOutcome::kDuplicate;
+  }
+  if (t == std::numeric_limits<std::uint64_t>::max()) {
+    // Its clock would wrap to 0, and every step it pushed would count again.
+    sink.error(request.to, h,
+               Error(ErrorCode::kInvalidArgument,
+                     fmt::format("push of step {} for {} from rank {}: steps end at {}; the "
+                                 "worker's step counter is corrupt",
+                                 t, entry_name(e.id), rank, t - 1)));
+    return PushOutcome::kRefused;
   }
   if (rank < e.raised_from.size()) e.raised_from[rank] = Entry::kNotRaised;  // caught up
   if (options_.consistency != proto::Consistency::kBsp) {
@@ -489,7 +499,10 @@ void ShardCore::on_push(const Request& request, Payload gradient, TimePoint /*no
   }
   const PushOutcome outcome = record_push(*e, request, std::move(gradient), sink);
   if (outcome == PushOutcome::kRefused) return;
-  if (outcome == PushOutcome::kRecorded) complete_rounds(*e);
+  if (outcome == PushOutcome::kRecorded) {
+    sink.push_recorded(request.header.worker_rank, request.header.step);
+    complete_rounds(*e);
+  }
   proto::Header r = proto::reply_header(request.header);
   sink.reply(request.to, r, {});
   if (outcome == PushOutcome::kRecorded) serve_parked(*e, sink);
@@ -519,7 +532,10 @@ void ShardCore::on_push_pull(const Request& request, Payload gradient, TimePoint
   }
   const PushOutcome outcome = record_push(*e, request, std::move(gradient), sink);
   if (outcome == PushOutcome::kRefused) return;
-  if (outcome == PushOutcome::kRecorded) complete_rounds(*e);
+  if (outcome == PushOutcome::kRecorded) {
+    sink.push_recorded(request.header.worker_rank, request.header.step);
+    complete_rounds(*e);
+  }
   serve_parked(*e, sink);
   park_or_answer(*e, Parked{request, request.header.step + 1, WaitKind::kPushPull}, sink);
 }

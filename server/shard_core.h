@@ -150,6 +150,14 @@ class ReplySink {
   void error(const ReplyTo& to, const proto::Header& request, const Error& error) {
     this->error(to, request, error, request.step);
   }
+  // A push (or a push_pull's push) of `step` from `rank` was recorded: it
+  // counts in its round (bsp) or was applied (asp, ssp). Not called for a
+  // refused push, nor for a re-send acknowledged without effect. Called by
+  // the thread that handles the push, before its reply. Default: nothing.
+  virtual void push_recorded(std::uint32_t rank, std::uint64_t step) {
+    (void)rank;
+    (void)step;
+  }
 };
 
 struct CoreOptions {

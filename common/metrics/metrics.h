@@ -99,6 +99,13 @@ class alignas(kFalseSharingBytes) Gauge {
   void set(double v) noexcept { value_.store(v, std::memory_order_relaxed); }
   void add(double d) noexcept { value_.fetch_add(d, std::memory_order_relaxed); }
   void sub(double d) noexcept { value_.fetch_sub(d, std::memory_order_relaxed); }
+  // Sets the value to max(value, v) (a CAS loop): a high-water mark that
+  // several threads raise.
+  void raise_to(double v) noexcept {
+    double now = value_.load(std::memory_order_relaxed);
+    while (now < v && !value_.compare_exchange_weak(now, v, std::memory_order_relaxed)) {
+    }
+  }
   double value() const noexcept { return value_.load(std::memory_order_relaxed); }
 
  private:

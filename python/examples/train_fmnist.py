@@ -23,8 +23,9 @@ It needs numpy (Debian python3-numpy, hence /usr/bin/python3) and libember.so
 
 Per epoch each worker prints: training loss, test accuracy (10,000 images),
 samples per second, and the communication share (time blocked on Ember /
-step time). With --max-steps it stops early and prints
-"done steps=... first_loss=... last_loss=... test_acc=...".
+step time). At the end it prints "done rank=... steps=... first_loss=...
+last_loss=... first_mean=... last_mean=... test_acc=..." (the means are over
+the first and last 5 steps); --max-steps stops it after that many steps.
 """
 
 import argparse

@@ -1294,6 +1294,13 @@ TEST(ServerMetrics, EndpointServesPrometheusText) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " missing in:\n" << text;
   }
   EXPECT_NE(http_get(server.metrics_address(), "/nope").find("404"), std::string::npos);
+  // A refused push (out of step: the server is at step 1) names a step the
+  // rank never reached; the step gauge stays at the last recorded push's.
+  auto refused = (*w)->push(1, std::vector<float>{1, 1, 1, 1}, 1000).wait();
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().code(), ErrorCode::kOutOfStep) << refused.error().to_string();
+  const std::string after = http_get(server.metrics_address(), "/metrics");
+  EXPECT_NE(after.find("ember_server_worker_step{rank=\"0\"} 0\n"), std::string::npos) << after;
 }
 
 // Prometheus jobs with `params:` add a query string, probes send HEAD, and

@@ -87,6 +87,21 @@ TEST(Registry, RendersSpecialGaugeValues) {
   EXPECT_NE(text.find("g_small 1e-08\n"), std::string::npos) << text;
 }
 
+TEST(Gauge, RaiseToKeepsTheHighestValueFromEveryThread) {
+  Gauge g;
+  g.raise_to(5);
+  g.raise_to(3);  // lower: no change
+  EXPECT_EQ(g.value(), 5);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&g, t] {
+      for (int i = 0; i < 10000; ++i) g.raise_to(i * 4 + t);
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(g.value(), 9999 * 4 + 3);
+}
+
 TEST(Histogram, BucketsFollowLeSemantics) {
   const std::vector<double> bounds{1, 2, 4};
   Histogram h(bounds);

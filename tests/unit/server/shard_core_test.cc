@@ -3,6 +3,7 @@
 #include "server/shard_core.h"
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <random>
 
@@ -50,8 +51,12 @@ class RecordingSink : public ReplySink {
     answered.step = reply_step;
     sent.push_back(Sent{to, answered, {}, true, error, {}, nullptr, request.step});
   }
+  void push_recorded(std::uint32_t rank, std::uint64_t step) override {
+    recorded.emplace_back(rank, step);
+  }
   std::vector<Sent> take() { return std::exchange(sent, {}); }
   std::vector<Sent> sent;
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> recorded;  // push_recorded (rank, step)
 };
 
 const TimePoint kT0{};
@@ -973,6 +978,39 @@ TEST_F(ShardCoreTest, AspGapIsAcceptedAndMovesTheClock) {
   EXPECT_EQ(s[2].values, std::vector<float>{-2});
   push(0, 1, 5, {1});  // below the clock now: a duplicate
   EXPECT_EQ(core->stats().pushes_duplicate, 1u);
+}
+
+TEST_F(ShardCoreTest, AspPushOfTheLastStepIsRefusedAndTheClockStays) {
+  make(opts(2, proto::Consistency::kAsp));
+  init(1, {0});
+  push(0, 1, 0, {1});
+  push(0, 1, 1, {1});
+  sink.take();
+  const std::uint64_t last = std::numeric_limits<std::uint64_t>::max();
+  push(0, 1, last, {1});  // its clock would wrap to 0
+  auto s = sink.take();
+  ASSERT_EQ(s.size(), 1u);
+  ASSERT_TRUE(s[0].is_error);
+  EXPECT_EQ(s[0].error.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s[0].error.message().find("step counter is corrupt"), std::string::npos)
+      << s[0].error.message();
+  push(0, 1, 1, {1});  // a re-send: still a duplicate, not applied again
+  sink.take();
+  EXPECT_EQ(core->stats().pushes_duplicate, 1u);
+  EXPECT_EQ(core->stats().pushes_applied, 2u);
+  EXPECT_EQ(params(1, 1), std::vector<float>{-2});
+}
+
+TEST_F(ShardCoreTest, OnlyRecordedPushesAreReportedToTheSink) {
+  make(opts(2));
+  init(1, {0});
+  push(0, 1, 0, {1});    // recorded
+  push(0, 1, 0, {1});    // a re-send: acknowledged, not recorded again
+  push(1, 1, 40, {1});   // out of step: refused
+  core->on_push_pull(req(MsgType::kPushPull, 1, 1, 0, 1), Payload::of(std::vector<float>{1}), kT0,
+                     sink);  // recorded
+  using Rec = std::pair<std::uint32_t, std::uint64_t>;
+  EXPECT_EQ(sink.recorded, (std::vector<Rec>{{0, 0}, {1, 0}}));
 }
 
 TEST_F(ShardCoreTest, SspGapIsAcceptedButAPullWaitingOnItselfIsOutOfStep) {
