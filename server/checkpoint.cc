@@ -437,6 +437,12 @@ Result<CheckpointData> parse_checkpoint(std::span<const std::byte> bytes) {
 
 Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& dir,
                                                const CheckpointData& data, std::uint32_t keep) {
+  if (data.sequence > kMaxCheckpointSequence) {
+    return make_error(ErrorCode::kTooLarge,
+                      "checkpoint: sequence number {} is above {}, the highest a server writes; "
+                      "move the checkpoints in '{}' elsewhere to number from 1 again",
+                      data.sequence, kMaxCheckpointSequence, dir.string());
+  }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
@@ -549,11 +555,25 @@ Result<LoadResult> load_newest_checkpoint(const std::filesystem::path& dir,
                                           std::uint32_t server_index, RefusedFiles refused_files) {
   EMBER_ASSIGN_OR_RETURN(auto files, list_checkpoints(dir, server_index));
   LoadResult result;
-  if (!files.empty()) result.next_sequence = files.front().first + 1;
+  for (const auto& f : files) {
+    if (f.first <= kMaxCheckpointSequence) {
+      result.next_sequence = f.first + 1;  // files are newest first
+      break;
+    }
+  }
   auto log = log::logger("checkpoint");
   for (const auto& [seq, path] : files) {
     std::vector<std::byte> image;
-    std::string reason = read_whole_file(path, image);
+    std::string reason;
+    if (seq > kMaxCheckpointSequence) {
+      // Numbering after it would wrap to 0, and the next restart would
+      // restore an older file than the one written last.
+      reason = fmt::format("its sequence number {} is above {}, the highest a server writes, so "
+                           "no server wrote it",
+                           seq, kMaxCheckpointSequence);
+    } else {
+      reason = read_whole_file(path, image);
+    }
     if (reason.empty()) {
       auto parsed = parse_checkpoint(image);
       if (parsed && parsed->server_index != server_index) {

@@ -104,10 +104,15 @@ std::vector<std::byte> serialize_checkpoint(const CheckpointData& data);
 // "ckpt-s000-0000000012.ember"
 std::string checkpoint_file_name(std::uint32_t server_index, std::uint64_t sequence);
 
+// The highest sequence number a server writes (2^53: at one checkpoint a
+// second, 285 million years). load_newest_checkpoint refuses a file named
+// above it, which a server never wrote: numbering after it would wrap.
+inline constexpr std::uint64_t kMaxCheckpointSequence = std::uint64_t{1} << 53;
+
 // Writes `data` atomically into `dir` (created if missing) and prunes older
 // files of the same server beyond `keep` (>= 1). Returns the final path.
 // Errors: kIo naming the path and the failed call (the temporary file is
-// removed).
+// removed); kTooLarge when data.sequence > kMaxCheckpointSequence.
 [[nodiscard]] Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& dir,
                                                              const CheckpointData& data,
                                                              std::uint32_t keep);
@@ -120,7 +125,9 @@ list_checkpoints(const std::filesystem::path& dir, std::uint32_t server_index);
 struct LoadResult {
   std::optional<CheckpointData> data;  // the newest valid checkpoint, if any
   std::filesystem::path path;          // its file
-  std::uint64_t next_sequence = 1;     // one past the highest sequence seen (valid or not)
+  // One past the highest sequence seen (valid or not), of those not above
+  // kMaxCheckpointSequence.
+  std::uint64_t next_sequence = 1;
   std::vector<std::string> refused;    // "<path>: <reason>" for each file refused
   // Where each refused file now lies (kMoveAside only), in the order refused.
   std::vector<std::filesystem::path> moved_aside;

@@ -382,6 +382,40 @@ TEST(Checkpoint, RefusedFilesAreMovedAsideAndPruningKeepsValidOnes) {
   std::filesystem::remove_all(dir);
 }
 
+// A stray file named with the largest sequence (copied in by hand, or
+// hostile) used to make the next sequence wrap to 0: the checkpoint written
+// next sorted oldest, and a restart restored an older one (helper-76).
+TEST(Checkpoint, ASequenceAboveTheMaximumIsRefusedAndNumberingGoesOn) {
+  const auto dir = temp_dir("seq-max");
+  ASSERT_TRUE(write_checkpoint(dir, sample(2), 5));
+  const std::uint64_t stray = std::numeric_limits<std::uint64_t>::max();
+  // Valid contents: only its number is wrong.
+  write_bytes(dir / checkpoint_file_name(2, stray), serialize_checkpoint(sample(stray)));
+  auto loaded = load_newest_checkpoint(dir, 2);
+  ASSERT_TRUE(loaded) << loaded.error().to_string();
+  ASSERT_TRUE(loaded->data);
+  EXPECT_EQ(loaded->data->sequence, 2u);
+  EXPECT_EQ(loaded->next_sequence, 3u);
+  ASSERT_EQ(loaded->refused.size(), 1u);
+  EXPECT_NE(loaded->refused[0].find("above 9007199254740992"), std::string::npos)
+      << loaded->refused[0];
+  ASSERT_EQ(loaded->moved_aside.size(), 1u);
+  EXPECT_FALSE(std::filesystem::exists(dir / checkpoint_file_name(2, stray)));
+  // The highest sequence a server writes is still taken.
+  const auto top = dir / checkpoint_file_name(2, kMaxCheckpointSequence);
+  write_bytes(top, serialize_checkpoint(sample(kMaxCheckpointSequence)));
+  auto again = load_newest_checkpoint(dir, 2);
+  ASSERT_TRUE(again);
+  ASSERT_TRUE(again->data);
+  EXPECT_EQ(again->data->sequence, kMaxCheckpointSequence);
+  EXPECT_EQ(again->next_sequence, kMaxCheckpointSequence + 1);
+  // ... and the one past it is not written (it would be refused on load).
+  auto past = write_checkpoint(dir, sample(kMaxCheckpointSequence + 1), 5);
+  ASSERT_FALSE(past);
+  EXPECT_EQ(past.error().code(), ErrorCode::kTooLarge) << past.error().to_string();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Checkpoint, MovingAsideNeverOverwritesEarlierEvidence) {
   const auto dir = temp_dir("aside-twice");
   ASSERT_TRUE(write_checkpoint(dir, sample(1), 10));
