@@ -213,7 +213,9 @@ class EmberExchange final : public GradientExchange {
   // Errors: sync's, the barrier's and the pulls' (kWorkerLost, kTimeout,
   // kClosed), naming the epoch (and the tensor); kInternal when the rejoin
   // barrier completed in a generation that is neither (the servers
-  // restarted, and their barrier count with them).
+  // restarted, and their barrier count with them) in a job of several
+  // workers (alone, a rank's barriers complete at once: a rank restarted
+  // twice at one epoch's end has moved the count twice).
   Status finish_epoch(std::uint32_t epoch) override;
 
   // After a resync (file comment): the servers' step to go back to, once.

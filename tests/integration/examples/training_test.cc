@@ -947,6 +947,65 @@ TEST_F(FmnistJob, RejoinUnderShrinkPullsATensorWhoseRoundClosedWithoutIt) {
   ASSERT_TRUE(ex1b.sync());
 }
 
+// A one-worker job whose rank is restarted twice at one epoch's end (the
+// first restart killed right after it rejoined): each rejoin sends a
+// barrier, and alone each completes at once, so the barrier count runs one
+// ahead of the epochs. finish_epoch took that for restarted servers and
+// failed with kInternal (helper-76's repro with fmnist-worker); alone there
+// is nobody to wait for, so the rejoin barrier is the epoch's.
+TEST_F(FmnistJob, ALoneRankRestartedTwiceAtAnEpochsEndFinishesTheNextEpoch) {
+  const std::string config_path = write_config(1, "bsp", "wait");
+  auto server = start_server(config_path);
+  ASSERT_NE(server, nullptr);
+  auto make_worker = [&] { return in_process_worker(config_path, 0, port_); };
+  {
+    // Epoch 1: steps 0 and 1, then its end (barrier generation 0).
+    TwoTensors m(0.5f);
+    auto w = make_worker();
+    ASSERT_TRUE(w) << w.error().to_string();
+    EmberExchange ex(**w);
+    ASSERT_TRUE(ex.start(m.params));
+    for (std::uint64_t t = 0; t < 2; ++t) {
+      ASSERT_TRUE(ex.gradients_ready(t, m.params));
+      ASSERT_TRUE(ex.await_parameters(t + 1, m.params));
+    }
+    Status end = ex.finish_epoch(1);
+    ASSERT_TRUE(end) << end.error().to_string();
+  }  // the process is gone (killed while evaluating)
+  {
+    // The first restart rejoins after epoch 1 and is killed at once.
+    TwoTensors m(0.5f);
+    auto w = make_worker();
+    ASSERT_TRUE(w) << w.error().to_string();
+    EmberExchange ex(**w, EmberExchangeOptions{.rejoin = true});
+    ASSERT_TRUE(ex.start(m.params));
+    EXPECT_EQ(ex.resume_step(), 2u);
+    ASSERT_TRUE(ex.resume_after_epoch(1));
+    auto g = (*w)->barrier().wait();  // its rejoin barrier has completed by then
+    ASSERT_TRUE(g) << g.error().to_string();
+  }
+  TwoTensors m(0.5f);
+  auto w = make_worker();
+  ASSERT_TRUE(w) << w.error().to_string();
+  EmberExchange ex(**w, EmberExchangeOptions{.rejoin = true});
+  ASSERT_TRUE(ex.start(m.params));
+  EXPECT_EQ(ex.resume_step(), 2u);
+  ASSERT_TRUE(ex.resume_after_epoch(1));
+  for (std::uint64_t t = 2; t < 4; ++t) {
+    ASSERT_TRUE(ex.gradients_ready(t, m.params));
+    ASSERT_TRUE(ex.await_parameters(t + 1, m.params));
+  }
+  Status end = ex.finish_epoch(2);
+  ASSERT_TRUE(end) << end.error().to_string();
+  // And the epoch after goes as usual.
+  for (std::uint64_t t = 4; t < 6; ++t) {
+    ASSERT_TRUE(ex.gradients_ready(t, m.params));
+    ASSERT_TRUE(ex.await_parameters(t + 1, m.params));
+  }
+  end = ex.finish_epoch(3);
+  ASSERT_TRUE(end) << end.error().to_string();
+}
+
 // Under shrink, a worker whose connection dropped (same process, it
 // reconnects on its next request) is left out while the others go on; its
 // next push is stale. The example trainer goes only back, never ahead
