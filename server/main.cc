@@ -104,7 +104,8 @@ int run(int argc, char** argv) {
   CLI::Option* check = app.add_flag("--check-config", check_config,
                                     "validate the configuration and exit (0 = valid, 1 = not): the file, the listen "
                                     "address (its form and the auth-token rule; not whether the port is "
-                                    "free now), shard CPUs and that checkpoint_dir is usable");
+                                    "free now), shard CPUs, and that checkpoint_dir (and record_path when recording) is "
+                                    "usable");
   app.add_flag("--print-config", print_config,
                "print the effective configuration, defaults included, and exit (1 if the file "
                "or a --set is invalid); not with --check-config")
@@ -175,6 +176,10 @@ int run(int argc, char** argv) {
       return 1;
     }
     if (auto s = ember::server::check_checkpoint_dir(config); !s) {
+      std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
+      return 1;
+    }
+    if (auto s = ember::server::check_record_path(config); !s) {
       std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
       return 1;
     }

@@ -1720,6 +1720,28 @@ Status check_checkpoint_dir(const config::Config& config) {
   return ok_status();
 }
 
+Status check_record_path(const config::Config& config) {
+  const config::CommunicationConfig& c = config.communication;
+  if (!c.record_pattern || c.record_path.empty()) return ok_status();
+  namespace fs = std::filesystem;
+  const fs::path file = record::recording_path(c.record_path, "server", config.server.server_index);
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  auto refuse = [&](const std::string& why) -> Status {
+    return tl::unexpected(Error(
+        ErrorCode::kConfig,
+        fmt::format("[communication] record_path '{}': the recording '{}' cannot be written: {}; "
+                    "create the directory, or point record_path into a writable one",
+                    c.record_path, file.string(), why)));
+  };
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return refuse(fmt::format("'{}' is not a directory (the recorder creates no directories)",
+                              dir.string()));
+  }
+  if (Status st = probe_writable(dir); !st) return refuse(st.error().message() + st.error().cause());
+  return ok_status();
+}
+
 Status check_shard_cpus(const config::Config& config) {
   return config::check_cpus_available(config.server.shard_cpu_affinity,
                                       "server.shard_cpu_affinity");

@@ -126,4 +126,11 @@ std::array<double, 7> optimizer_numbers(const config::OptimizerConfig& o);
 // naming the key, the path and why (errno text).
 Status check_checkpoint_dir(const config::Config& config);
 
+// What `ember-server --check-config` checks of communication.record_path
+// when record_pattern is on: the recording "<record_path>.server<i>" needs
+// an existing directory this process can create files in (the recorder
+// creates none). Probes it as check_checkpoint_dir does. Errors: kConfig
+// naming the key, the file and why.
+Status check_record_path(const config::Config& config);
+
 }  // namespace ember::server

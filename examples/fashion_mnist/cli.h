@@ -42,7 +42,8 @@ void add_training_options(CLI::App& app, Options& o, const std::string& batch_he
       ->capture_default_str()
       ->check(CLI::Range(std::size_t{1}, std::size_t{10000}));
   app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error, critical, off")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
 }
 
 }  // namespace ember::fashion_mnist

@@ -85,8 +85,10 @@ std::string join_path(std::string_view dir, std::string_view file) {
 
 }  // namespace
 
-Result<IdxArray> read_idx_u8(const std::string& path, std::size_t expected_rank) {
-  EMBER_CHECK(expected_rank >= 1 && expected_rank <= 4);
+namespace {
+
+// open(2) for reading; the error names the path and the package.
+Result<int> open_data_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
@@ -95,6 +97,14 @@ Result<IdxArray> read_idx_u8(const std::string& path, std::size_t expected_rank)
     }
     return make_sys_error(err, "{}: cannot open; {}", path, kInstallHint);
   }
+  return fd;
+}
+
+}  // namespace
+
+Result<IdxArray> read_idx_u8(const std::string& path, std::size_t expected_rank) {
+  EMBER_CHECK(expected_rank >= 1 && expected_rank <= 4);
+  EMBER_ASSIGN_OR_RETURN(const int fd, open_data_file(path));
   GzHandle file(gzdopen(fd, "rb"));
   if (!file) {
     const int err = errno;
@@ -199,6 +209,14 @@ Result<Dataset> load_split(const std::string& images_path, const std::string& la
   data.pixels = std::move(images.data);
   data.labels = std::move(labels.data);
   return data;
+}
+
+Status check_fashion_mnist_files(std::string_view dir) {
+  for (std::string_view name : {kTrainImagesFile, kTrainLabelsFile, kTestImagesFile, kTestLabelsFile}) {
+    EMBER_ASSIGN_OR_RETURN(const int fd, open_data_file(join_path(dir, name)));
+    ::close(fd);
+  }
+  return ok_status();
 }
 
 Result<FashionMnist> load_fashion_mnist(std::string_view dir) {

@@ -103,6 +103,13 @@ struct FashionMnist {
 // format also loads (the tests use that).
 Result<FashionMnist> load_fashion_mnist(std::string_view dir = kDefaultDataDir);
 
+// Whether the four files of `dir` can be opened for reading, without reading
+// them: a quick check before slower work (fmnist-worker runs it before
+// connecting), so that a wrong --data-dir is reported first. Errors: those
+// of read_idx_u8's open (kNotFound naming the path and the Debian package,
+// or kIo).
+Status check_fashion_mnist_files(std::string_view dir = kDefaultDataDir);
+
 // Copies and normalises the samples `indices` of `data` into the columns of
 // `inputs` (column j = sample indices[j]; [num_features, indices.size()]
 // float32, Eigen column-major, i.e. [batch, num_features] row-major in memory)

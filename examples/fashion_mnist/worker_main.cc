@@ -205,6 +205,8 @@ class Run {
   ember::Status train() {
     EMBER_ASSIGN_OR_RETURN(ember::config::Config config, load_config());
     if (o_.compute_cpu >= 0) EMBER_TRY(check_compute_cpu(o_.compute_cpu));
+    // A wrong --data-dir is reported at once, not after the connect retries.
+    EMBER_TRY(fm::check_fashion_mnist_files(o_.data_dir));
     // Connect first: an absent server is reported before the data is read.
     // Declaration order is destruction order reversed: the exchange (which
     // waits for in-flight operations) goes before the buffers, the buffers

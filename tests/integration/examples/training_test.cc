@@ -1133,6 +1133,23 @@ TEST_F(FmnistJob, BadRankAndMissingConfigAreRefused) {
                   path("unknown.log"));
   EXPECT_EQ(unknown.wait_exit(kStartTimeout), 2) << describe(unknown);
   EXPECT_NE(unknown.stderr_text().find("--epoch"), std::string::npos) << unknown.stderr_text();
+  Process bad_level({FMNIST_WORKER_BIN, "--config", write_config(1), "--log-level", "bogus"},
+                    path("bad-level.log"));
+  EXPECT_EQ(bad_level.wait_exit(kStartTimeout), 2) << describe(bad_level);
+  EXPECT_NE(bad_level.stderr_text().find("--log-level"), std::string::npos)
+      << bad_level.stderr_text();
+  // A wrong --data-dir is reported before connecting: no server listens on
+  // port 1, and the error is the data's, not the connect retries'.
+  const std::string no_data = path("no-data");
+  Process data_missing({FMNIST_WORKER_BIN, "--config", write_config(1), "--data-dir", no_data},
+                       path("no-data.log"));
+  EXPECT_EQ(data_missing.wait_exit(kStartTimeout), 1) << describe(data_missing);
+  const std::string err = data_missing.stderr_text();
+  EXPECT_NE(err.find(no_data + "/train-images-idx3-ubyte.gz: no such file; install the Debian "
+                               "package dataset-fashion-mnist"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("cannot connect"), std::string::npos) << err;
 }
 
 }  // namespace

@@ -983,6 +983,22 @@ TEST(ServerCli, CheckConfigRefusesBadFilesWithFileAndLine) {
                              "--check-config"});
   EXPECT_EQ(fresh.status, 0) << fresh.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "new"));
+  // A recording in a missing directory (the start failed with "cannot
+  // create"; --check-config used to pass it).
+  const std::string record_in_missing = (dir / "no-such-dir" / "rec").string();
+  auto no_dir = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--set",
+                              "communication.record_pattern=true", "--set",
+                              "communication.record_path=" + record_in_missing, "--check-config"});
+  EXPECT_EQ(no_dir.status, 1) << no_dir.out;
+  EXPECT_NE(no_dir.err.find("[communication] record_path '" + record_in_missing + "'"),
+            std::string::npos)
+      << no_dir.err;
+  EXPECT_NE(no_dir.err.find("is not a directory"), std::string::npos) << no_dir.err;
+  auto rec_ok = run_cli(dir, {"--config", (dir / "ok.toml").string(), "--set",
+                              "communication.record_pattern=true", "--set",
+                              "communication.record_path=" + (dir / "rec").string(),
+                              "--check-config"});
+  EXPECT_EQ(rec_ok.status, 0) << rec_ok.err;
   auto missing = run_cli(dir, {"--config", (dir / "nope.toml").string(), "--check-config"});
   EXPECT_EQ(missing.status, 1);
   EXPECT_NE(missing.err.find("nope.toml"), std::string::npos) << missing.err;

@@ -2,6 +2,7 @@
 // an Error naming the path and the package, the batch gather, and the real
 // installed files when present.
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 
 #include <gmock/gmock.h>
@@ -210,6 +211,24 @@ TEST(LoadFashionMnist, MissingDirectorySaysWhatToInstall) {
   EXPECT_EQ(data.error().code(), ErrorCode::kNotFound);
   EXPECT_THAT(data.error().message(), HasSubstr(std::string(kTrainImagesFile)));
   EXPECT_THAT(data.error().message(), HasSubstr("apt-get install dataset-fashion-mnist"));
+}
+
+TEST(CheckFashionMnistFiles, NamesTheFirstMissingFileAndThePackage) {
+  TempDir dir;
+  Status st = check_fashion_mnist_files(dir.file("nowhere"));
+  ASSERT_FALSE(st);
+  EXPECT_EQ(st.error().code(), ErrorCode::kNotFound);
+  EXPECT_THAT(st.error().message(), HasSubstr(std::string(kTrainImagesFile)));
+  EXPECT_THAT(st.error().message(), HasSubstr("apt-get install dataset-fashion-mnist"));
+  // Three of four present: the fourth is named.
+  for (std::string_view name : {kTrainImagesFile, kTrainLabelsFile, kTestImagesFile}) {
+    std::ofstream(dir.file(std::string(name))) << "x";
+  }
+  st = check_fashion_mnist_files(dir.path());
+  ASSERT_FALSE(st);
+  EXPECT_THAT(st.error().message(), HasSubstr(std::string(kTestLabelsFile)));
+  std::ofstream(dir.file(std::string(kTestLabelsFile))) << "x";
+  EXPECT_TRUE(check_fashion_mnist_files(dir.path()));  // opened, not read
 }
 
 TEST(GatherBatch, NormalisesPixelsIntoColumnsInIndexOrder) {
