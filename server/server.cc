@@ -895,7 +895,7 @@ void Server::Impl::on_accept(std::shared_ptr<transport::Connection> conn) {
     state->back_pending.store(back, std::memory_order_relaxed);
   }
   log->info("worker {} connected from {}{}", peer.rank, peer.address,
-            back ? " (it was lost; back once its join succeeds)" : "");
+            back ? " (it had no connection; back once its join succeeds)" : "");
 }
 
 void Server::Impl::rejoin(ConnState& c) {
@@ -968,7 +968,13 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
   conns_cv.notify_all();
   if (reason.code() == ErrorCode::kChecksumMismatch) checksum_failures->inc();
   if (reason.code() == ErrorCode::kMalformedFrame) bad_messages->inc();
-  if (reason.code() == ErrorCode::kClosed || reason.code() == ErrorCode::kCancelled) {
+  if (state->closed_here.load()) {
+    // This server closed it (a bad message, logged with its reason when it
+    // closed; a send that failed; shutdown): however the transport saw the
+    // end (no goodbye, a reset), the worker did not crash.
+    log->info("worker {} ({}) disconnected: this server closed the connection", state->rank,
+              state->peer);
+  } else if (reason.code() == ErrorCode::kClosed || reason.code() == ErrorCode::kCancelled) {
     log->info("worker {} ({}) disconnected", state->rank, state->peer);
   } else {
     // The pointer once: a transport reason may carry its own.

@@ -299,6 +299,15 @@ TEST_F(BadRequests, MalformedMessageClosesOnlyThatConnection) {
       << server->log();
   const std::string metrics = http_get(server->metrics_address(), "/metrics");
   EXPECT_EQ(metrics.find("ember_server_bad_messages_total 0"), std::string::npos) << metrics;
+  // The reason is logged once; the close that follows says who closed it,
+  // not "lost: ... without goodbye (crashed or reset)".
+  const auto said = [&] {
+    return server->log().find("disconnected: this server closed the connection") !=
+           std::string::npos;
+  };
+  for (int i = 0; i < 200 && !said(); ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(said()) << server->log();
+  EXPECT_EQ(server->log().find(") lost: "), std::string::npos) << server->log();
 }
 
 TEST_F(BadRequests, RankThatDisagreesWithHandshakeClosesConnection) {
