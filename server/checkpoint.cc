@@ -468,8 +468,11 @@ Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& dir,
   }
   EMBER_TRY(fsync_dir(dir));
 
-  // Keep the newest `keep` of this server.
+  // Keep the newest `keep` of this server. A file numbered above the
+  // maximum (put there by hand while it runs) is not one it wrote: neither
+  // counted nor deleted (the next start refuses it).
   EMBER_ASSIGN_OR_RETURN(auto files, list_checkpoints(dir, data.server_index));
+  std::erase_if(files, [](const auto& f) { return f.first > kMaxCheckpointSequence; });
   for (std::size_t i = std::max<std::uint32_t>(keep, 1); i < files.size(); ++i) {
     std::filesystem::remove(files[i].second, ec);
     if (ec) {

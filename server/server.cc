@@ -147,6 +147,12 @@ struct ConnState {
   // This server called close() on it (bad input, a refused join, a reply cut
   // short, shutdown): when it ends, the worker did not leave of its own accord.
   std::atomic<bool> closed_here{false};
+  // Of those, a close whose cause the log already names (bad input: its
+  // "closing the connection" line; shutdown): its end is logged as this
+  // server's close, not with the transport's reason. A reply cut short is
+  // not one: the send failed because the connection was failing, and the
+  // transport's reason is the news.
+  std::atomic<bool> close_explained{false};
   // Refused at accept (rank outside the job, or a rank that already has a
   // live connection): the worker's join is answered with this error, then
   // the connection is closed. Never counted in rank_connections.
@@ -968,10 +974,10 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
   conns_cv.notify_all();
   if (reason.code() == ErrorCode::kChecksumMismatch) checksum_failures->inc();
   if (reason.code() == ErrorCode::kMalformedFrame) bad_messages->inc();
-  if (state->closed_here.load()) {
-    // This server closed it (a bad message, logged with its reason when it
-    // closed; a send that failed; shutdown): however the transport saw the
-    // end (no goodbye, a reset), the worker did not crash.
+  if (state->close_explained.load()) {
+    // This server closed it for a cause logged already (bad input,
+    // shutdown): however the transport saw the end (no goodbye, a reset),
+    // that is what ended it.
     log->info("worker {} ({}) disconnected: this server closed the connection", state->rank,
               state->peer);
   } else if (reason.code() == ErrorCode::kClosed || reason.code() == ErrorCode::kCancelled) {
@@ -999,6 +1005,7 @@ void Server::Impl::close_bad(ConnState& c, const Error& why) {
   if (!c.closing.exchange(true)) {
     log->warn("closing the connection of worker {} ({}): {}", c.rank, c.peer, why.to_string());
   }
+  c.close_explained.store(true);
   close_here(c);
 }
 
@@ -1606,7 +1613,10 @@ Status Server::Impl::shutdown() {
     std::shared_lock lock(conns_mutex);
     for (const auto& [id, c] : by_id) open.push_back(c);
   }
-  for (auto& c : open) close_here(*c, std::chrono::milliseconds(500));
+  for (auto& c : open) {
+    c->close_explained.store(true);
+    close_here(*c, std::chrono::milliseconds(500));
+  }
   {
     std::shared_lock lock(conns_mutex);
     conns_cv.wait_for(lock, std::chrono::seconds(2), [&] { return by_id.empty(); });

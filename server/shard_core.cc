@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <limits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -236,13 +235,14 @@ ShardCore::PushOutcome ShardCore::record_push(Entry& e, const Request& request, 
     ++pushes_duplicate_;
     return PushOutcome::kDuplicate;
   }
-  if (t == std::numeric_limits<std::uint64_t>::max()) {
-    // Its clock would wrap to 0, and every step it pushed would count again.
+  if (t >= proto::kLargestStep) {
+    // Under asp and ssp a step far ahead is applied and moves the clock to
+    // t + 1: at 2^64 - 1 it wrapped to 0 and every push was applied again.
     sink.error(request.to, h,
                Error(ErrorCode::kInvalidArgument,
-                     fmt::format("push of step {} for {} from rank {}: steps end at {}; the "
+                     fmt::format("push of step {} for {} from rank {}: steps stay below {}; the "
                                  "worker's step counter is corrupt",
-                                 t, entry_name(e.id), rank, t - 1)));
+                                 t, entry_name(e.id), rank, proto::kLargestStep)));
     return PushOutcome::kRefused;
   }
   if (rank < e.raised_from.size()) e.raised_from[rank] = Entry::kNotRaised;  // caught up

@@ -168,11 +168,8 @@ struct PendingReq {
   std::uint32_t resends = 0;
 };
 
-// Above any step a server names: a key's step moves by one per round (and
-// a push may run only a few steps ahead of it), so 2^53 rounds
-// (285 years at one per microsecond) mark a server that breaks the protocol.
-// A double holds it exactly (Python, metrics).
-constexpr std::uint64_t kLargestStep = std::uint64_t{1} << 53;
+// Above any step a server names (a server that does breaks the protocol).
+using proto::kLargestStep;
 
 // The numbers of a worker's barriers (server 0's BarrierCore tells a re-sent
 // barrier from the next one by them). Failed barriers (timed out, lost,

@@ -49,6 +49,12 @@ inline constexpr std::size_t kMaxDims = 8;
 inline constexpr std::uint64_t kMaxElements = std::uint64_t{1} << 40;
 // Error replies carry at most this much text.
 inline constexpr std::size_t kMaxErrorTextBytes = 4096;
+// Steps stay below this: a key's step moves by one per round, so 2^53 rounds
+// (285 years at one per microsecond) mean a corrupt counter or a peer that
+// breaks the protocol. A double holds every step exactly (Python, metrics),
+// and clock arithmetic (clock + 1, clock + staleness) cannot wrap. The
+// worker refuses an explicit step at or above it; the server a push.
+inline constexpr std::uint64_t kLargestStep = std::uint64_t{1} << 53;
 
 enum class MsgType : std::uint8_t {
   kJoin = 1,             // hello: rank and cluster sizes checked; reply JoinReplyBody

@@ -340,7 +340,7 @@ Status EmberExchange::finish_epoch(std::uint32_t epoch) {
     }
     if (epoch == sent.epoch || *g + 1 == epoch) {
       barrier_done = true;  // it was this epoch's barrier
-    } else if (worker_->num_workers() == 1) {
+    } else if (*g + 1 > epoch && worker_->num_workers() == 1) {
       // Alone, every barrier completes at once, the rejoin barriers of
       // earlier attempts (killed after sending theirs) included, so the
       // generation runs ahead of the epochs; there is nobody to wait for.

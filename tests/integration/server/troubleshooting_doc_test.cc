@@ -189,6 +189,7 @@ const Quoted kQuoted[] = {
     {"worker-loss", "server/server.cc", "this job has {} worker(s)", true},
     {"worker-loss", "server/server.cc", "back once its join succeeds", false},
     {"worker-loss", "server/server.cc", "is back (rejoining)", false},
+    {"worker-loss", "server/server.cc", "disconnected: this server closed the connection", false},
     {"worker-loss", "worker/worker.cc", "request(s) failed", false},
     {"worker-loss", "server/membership.cc", "lost and not back within worker_timeout", false},
     {"worker-loss", "server/membership.cc", "which was lost (on_worker_loss", false},

@@ -413,6 +413,15 @@ TEST(Checkpoint, ASequenceAboveTheMaximumIsRefusedAndNumberingGoesOn) {
   auto past = write_checkpoint(dir, sample(kMaxCheckpointSequence + 1), 5);
   ASSERT_FALSE(past);
   EXPECT_EQ(past.error().code(), ErrorCode::kTooLarge) << past.error().to_string();
+  // A stray file appearing while the server runs does not count as the
+  // newest when pruning: with keep 1 the file just written stays.
+  std::filesystem::remove(top);
+  write_bytes(dir / checkpoint_file_name(2, stray), serialize_checkpoint(sample(stray)));
+  auto written = write_checkpoint(dir, sample(7), 1);
+  ASSERT_TRUE(written) << written.error().to_string();
+  EXPECT_TRUE(std::filesystem::exists(*written));
+  EXPECT_TRUE(std::filesystem::exists(dir / checkpoint_file_name(2, stray)));
+  EXPECT_FALSE(std::filesystem::exists(dir / checkpoint_file_name(2, 2)));  // pruned
   std::filesystem::remove_all(dir);
 }
 

@@ -980,25 +980,29 @@ TEST_F(ShardCoreTest, AspGapIsAcceptedAndMovesTheClock) {
   EXPECT_EQ(core->stats().pushes_duplicate, 1u);
 }
 
-TEST_F(ShardCoreTest, AspPushOfTheLastStepIsRefusedAndTheClockStays) {
+TEST_F(ShardCoreTest, AspPushOfAStepAtTheLimitIsRefusedAndTheClockStays) {
   make(opts(2, proto::Consistency::kAsp));
   init(1, {0});
   push(0, 1, 0, {1});
   push(0, 1, 1, {1});
   sink.take();
-  const std::uint64_t last = std::numeric_limits<std::uint64_t>::max();
-  push(0, 1, last, {1});  // its clock would wrap to 0
-  auto s = sink.take();
-  ASSERT_EQ(s.size(), 1u);
-  ASSERT_TRUE(s[0].is_error);
-  EXPECT_EQ(s[0].error.code(), ErrorCode::kInvalidArgument);
-  EXPECT_NE(s[0].error.message().find("step counter is corrupt"), std::string::npos)
-      << s[0].error.message();
+  // 2^64 - 1 wrapped the clock to 0; 2^53 is the first step refused.
+  for (const std::uint64_t bad : {std::numeric_limits<std::uint64_t>::max(), proto::kLargestStep}) {
+    push(0, 1, bad, {1});
+    auto s = sink.take();
+    ASSERT_EQ(s.size(), 1u);
+    ASSERT_TRUE(s[0].is_error);
+    EXPECT_EQ(s[0].error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(s[0].error.message().find("step counter is corrupt"), std::string::npos)
+        << s[0].error.message();
+  }
   push(0, 1, 1, {1});  // a re-send: still a duplicate, not applied again
   sink.take();
   EXPECT_EQ(core->stats().pushes_duplicate, 1u);
   EXPECT_EQ(core->stats().pushes_applied, 2u);
   EXPECT_EQ(params(1, 1), std::vector<float>{-2});
+  push(0, 1, proto::kLargestStep - 1, {1});  // the last step taken: a gap, applied
+  EXPECT_EQ(core->stats().pushes_applied, 3u);
 }
 
 TEST_F(ShardCoreTest, OnlyRecordedPushesAreReportedToTheSink) {
