@@ -957,52 +957,53 @@ TEST_F(FmnistJob, ALoneRankRestartedTwiceAtAnEpochsEndFinishesTheNextEpoch) {
   const std::string config_path = write_config(1, "bsp", "wait");
   auto server = start_server(config_path);
   ASSERT_NE(server, nullptr);
-  auto make_worker = [&] { return in_process_worker(config_path, 0, port_); };
-  {
-    // Epoch 1: steps 0 and 1, then its end (barrier generation 0).
-    TwoTensors m(0.5f);
-    auto w = make_worker();
-    ASSERT_TRUE(w) << w.error().to_string();
-    EmberExchange ex(**w);
-    ASSERT_TRUE(ex.start(m.params));
-    for (std::uint64_t t = 0; t < 2; ++t) {
+  TwoTensors m(0.5f);
+  // One process of the rank: its exchange started (with rejoin after the
+  // first), or an error.
+  struct Run {
+    Result<std::unique_ptr<Worker>> worker;
+    std::unique_ptr<EmberExchange> ex;
+  };
+  auto start = [&](bool rejoin) {
+    Run r{in_process_worker(config_path, 0, port_), nullptr};
+    if (!r.worker) return r;
+    r.ex = std::make_unique<EmberExchange>(**r.worker, EmberExchangeOptions{.rejoin = rejoin});
+    if (Status s = r.ex->start(m.params); !s) r.ex.reset();
+    return r;
+  };
+  auto train = [&](EmberExchange& ex, std::uint64_t from, std::uint64_t to) {
+    for (std::uint64_t t = from; t < to; ++t) {
       ASSERT_TRUE(ex.gradients_ready(t, m.params));
       ASSERT_TRUE(ex.await_parameters(t + 1, m.params));
     }
-    Status end = ex.finish_epoch(1);
+  };
+  {
+    // Epoch 1: steps 0 and 1, then its end (barrier generation 0).
+    Run first = start(false);
+    ASSERT_TRUE(first.ex);
+    ASSERT_NO_FATAL_FAILURE(train(*first.ex, 0, 2));
+    Status end = first.ex->finish_epoch(1);
     ASSERT_TRUE(end) << end.error().to_string();
   }  // the process is gone (killed while evaluating)
   {
     // The first restart rejoins after epoch 1 and is killed at once.
-    TwoTensors m(0.5f);
-    auto w = make_worker();
-    ASSERT_TRUE(w) << w.error().to_string();
-    EmberExchange ex(**w, EmberExchangeOptions{.rejoin = true});
-    ASSERT_TRUE(ex.start(m.params));
-    EXPECT_EQ(ex.resume_step(), 2u);
-    ASSERT_TRUE(ex.resume_after_epoch(1));
-    auto g = (*w)->barrier().wait();  // its rejoin barrier has completed by then
+    Run second = start(true);
+    ASSERT_TRUE(second.ex);
+    EXPECT_EQ(second.ex->resume_step(), 2u);
+    ASSERT_TRUE(second.ex->resume_after_epoch(1));
+    auto g = (*second.worker)->barrier().wait();  // its rejoin barrier has completed by then
     ASSERT_TRUE(g) << g.error().to_string();
   }
-  TwoTensors m(0.5f);
-  auto w = make_worker();
-  ASSERT_TRUE(w) << w.error().to_string();
-  EmberExchange ex(**w, EmberExchangeOptions{.rejoin = true});
-  ASSERT_TRUE(ex.start(m.params));
-  EXPECT_EQ(ex.resume_step(), 2u);
-  ASSERT_TRUE(ex.resume_after_epoch(1));
-  for (std::uint64_t t = 2; t < 4; ++t) {
-    ASSERT_TRUE(ex.gradients_ready(t, m.params));
-    ASSERT_TRUE(ex.await_parameters(t + 1, m.params));
-  }
-  Status end = ex.finish_epoch(2);
+  Run third = start(true);
+  ASSERT_TRUE(third.ex);
+  EXPECT_EQ(third.ex->resume_step(), 2u);
+  ASSERT_TRUE(third.ex->resume_after_epoch(1));
+  ASSERT_NO_FATAL_FAILURE(train(*third.ex, 2, 4));
+  Status end = third.ex->finish_epoch(2);
   ASSERT_TRUE(end) << end.error().to_string();
   // And the epoch after goes as usual.
-  for (std::uint64_t t = 4; t < 6; ++t) {
-    ASSERT_TRUE(ex.gradients_ready(t, m.params));
-    ASSERT_TRUE(ex.await_parameters(t + 1, m.params));
-  }
-  end = ex.finish_epoch(3);
+  ASSERT_NO_FATAL_FAILURE(train(*third.ex, 4, 6));
+  end = third.ex->finish_epoch(3);
   ASSERT_TRUE(end) << end.error().to_string();
 }
 
