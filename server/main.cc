@@ -167,21 +167,12 @@ int run(int argc, char** argv) {
     return 1;
   }
   if (check_config) {
-    if (auto s = ember::server::check_listen_address(config); !s) {
-      std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
-      return 1;
-    }
-    if (auto s = ember::server::check_shard_cpus(config); !s) {
-      std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
-      return 1;
-    }
-    if (auto s = ember::server::check_checkpoint_dir(config); !s) {
-      std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
-      return 1;
-    }
-    if (auto s = ember::server::check_record_path(config); !s) {
-      std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
-      return 1;
+    for (auto usable : {ember::server::check_listen_address, ember::server::check_shard_cpus,
+                       ember::server::check_checkpoint_dir, ember::server::check_record_path}) {
+      if (auto s = usable(config); !s) {
+        std::fprintf(stderr, "ember-server: %s\n", s.error().message().c_str());
+        return 1;
+      }
     }
     std::printf("ember-server: configuration is valid (%s)\n",
                 config_path.empty() ? "built-in defaults" : config_path.c_str());
