@@ -38,6 +38,10 @@ ShardCore::Entry* ShardCore::find(const Request& request, ReplySink& sink) {
                                  entry_name(EntryId{h.key, h.chunk_index}))));
     return nullptr;
   }
+  if (Status s = check_layout(*it->second, h); !s) {
+    sink.error(request.to, h, s.error());
+    return nullptr;
+  }
   return it->second.get();
 }
 
@@ -489,20 +493,22 @@ void ShardCore::serve_parked(Entry& e, ReplySink& sink) {
   e.parked = std::move(keep);
 }
 
+ShardCore::PushOutcome ShardCore::record_and_report(Entry& e, const Request& request,
+                                                    Payload gradient, ReplySink& sink) {
+  const PushOutcome outcome = record_push(e, request, std::move(gradient), sink);
+  if (outcome == PushOutcome::kRecorded) {
+    sink.push_recorded(request.header.worker_rank, request.header.step);
+    complete_rounds(e);
+  }
+  return outcome;
+}
+
 void ShardCore::on_push(const Request& request, Payload gradient, TimePoint /*now*/,
                         ReplySink& sink) {
   Entry* e = find(request, sink);
   if (e == nullptr) return;
-  if (Status s = check_layout(*e, request.header); !s) {
-    sink.error(request.to, request.header, s.error());
-    return;
-  }
-  const PushOutcome outcome = record_push(*e, request, std::move(gradient), sink);
+  const PushOutcome outcome = record_and_report(*e, request, std::move(gradient), sink);
   if (outcome == PushOutcome::kRefused) return;
-  if (outcome == PushOutcome::kRecorded) {
-    sink.push_recorded(request.header.worker_rank, request.header.step);
-    complete_rounds(*e);
-  }
   proto::Header r = proto::reply_header(request.header);
   sink.reply(request.to, r, {});
   if (outcome == PushOutcome::kRecorded) serve_parked(*e, sink);
@@ -511,10 +517,6 @@ void ShardCore::on_push(const Request& request, Payload gradient, TimePoint /*no
 void ShardCore::on_pull(const Request& request, TimePoint /*now*/, ReplySink& sink) {
   Entry* e = find(request, sink);
   if (e == nullptr) return;
-  if (Status s = check_layout(*e, request.header); !s) {
-    sink.error(request.to, request.header, s.error());
-    return;
-  }
   if (waits_on_itself(*e, request.header.worker_rank, request.header.step)) {
     refuse_out_of_step(*e, request, request.header.step, sink);
     return;
@@ -526,16 +528,8 @@ void ShardCore::on_push_pull(const Request& request, Payload gradient, TimePoint
                              ReplySink& sink) {
   Entry* e = find(request, sink);
   if (e == nullptr) return;
-  if (Status s = check_layout(*e, request.header); !s) {
-    sink.error(request.to, request.header, s.error());
-    return;
-  }
-  const PushOutcome outcome = record_push(*e, request, std::move(gradient), sink);
+  const PushOutcome outcome = record_and_report(*e, request, std::move(gradient), sink);
   if (outcome == PushOutcome::kRefused) return;
-  if (outcome == PushOutcome::kRecorded) {
-    sink.push_recorded(request.header.worker_rank, request.header.step);
-    complete_rounds(*e);
-  }
   serve_parked(*e, sink);
   park_or_answer(*e, Parked{request, request.header.step + 1, WaitKind::kPushPull}, sink);
 }

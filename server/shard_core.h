@@ -336,6 +336,9 @@ class ShardCore {
     std::vector<std::vector<std::uint64_t>> shapes;  // per waiting init
   };
 
+  // The entry a push, pull or push_pull names, whose layout (dtype, chunks,
+  // offset, elements) matches the request's; otherwise null, and `sink` has
+  // the error (kNotFound, kShapeMismatch).
   Entry* find(const Request& request, ReplySink& sink);
   Status check_layout(const Entry& e, const proto::Header& h) const;
   std::uint64_t resume_step(const Entry& e, std::uint32_t rank) const;
@@ -346,9 +349,13 @@ class ShardCore {
   void unlend(Entry& e);
   void reply_init(const Entry& e, const Request& request, std::span<const std::uint64_t> shape,
                   ReplySink& sink);
-  // Records a push; returns false (and replied with an error) when refused.
+  // Records a push; kRefused when refused (and replied with an error).
   enum class PushOutcome : std::uint8_t { kRecorded, kDuplicate, kRefused };
   PushOutcome record_push(Entry& e, const Request& request, Payload gradient, ReplySink& sink);
+  // record_push, and for a recorded push: tells the sink (push_recorded)
+  // and completes the rounds it closes.
+  PushOutcome record_and_report(Entry& e, const Request& request, Payload gradient,
+                                ReplySink& sink);
   // Adds rank's held contribution to `sum` and releases its buffer.
   // pre: num_folded > 0.
   void fold(Entry& e, Round& round, std::uint32_t rank);
