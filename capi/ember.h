@@ -14,6 +14,10 @@
  *   EMBER_PENDING (< 0), which is not an error. The codes are the numbers of
  *   ember::ErrorCode (common/base/error.h), append only, never renumbered.
  *
+ *   Out of memory. Any `int`-returning function can fail with
+ *   EMBER_E_INTERNAL when memory runs out or a C++ exception reaches the
+ *   boundary; the lists below name it only where it has another cause.
+ *
  *   Last error. Every `int`-returning function sets this thread's last error:
  *   on failure ember_last_error() gives "<code name>: <message>" (the message
  *   names the thing that failed and what to do), on success it is "".
@@ -107,8 +111,9 @@ typedef enum ember_status {
 /* rank argument of ember_worker_create: keep [worker] rank from the config. */
 #define EMBER_RANK_FROM_CONFIG (-1)
 
-/* timeout_ms argument of ember_wait: wait until done (bounded by the
- * config's [worker] request_timeout). */
+/* timeout_ms argument of ember_wait: wait until done (bounded as "Blocking"
+ * above says: request_timeout, plus up to heartbeat_timeout for a zero-copy
+ * send still in flight). */
 #define EMBER_WAIT_FOREVER (-1)
 
 typedef struct ember_worker ember_worker;      /* a connected worker */
@@ -172,8 +177,13 @@ EMBER_API int ember_set_log_level(const char* level);
  *   EMBER_E_IO, EMBER_E_TIMEOUT  a server unreachable after the retries
  *                             (the message names the server and the knobs)
  *   EMBER_E_AUTH, EMBER_E_VERSION_MISMATCH, EMBER_E_PROTOCOL  handshake refused
- *   EMBER_E_UNAVAILABLE       transport "rdma" with no active RDMA port, or
- *                             pool_backing "hugetlb"/"thp" this host cannot give
+ *   EMBER_E_UNAVAILABLE       transport "rdma" with no active RDMA port,
+ *                             pool_backing "hugetlb"/"thp" this host cannot
+ *                             give, or a server still refusing the join after
+ *                             the retries because this rank is connected
+ *                             already (two workers given one rank, or a
+ *                             predecessor not yet declared lost)
+ *   EMBER_E_INVALID_ARGUMENT  also: record_pattern with more than 65536 workers
  *   EMBER_E_IO                also: pre-faulting the page pool failed, or the
  *                             record_pattern file cannot be created
  *   EMBER_E_INTERNAL          out of memory */
@@ -255,7 +265,11 @@ EMBER_API int ember_buffer_info(const ember_worker* worker, const void* data, si
  *   element count), EMBER_E_TOO_LARGE (the tensor is larger than this
  *   host's physical memory: every rank pulls all of it), EMBER_E_SHAPE_MISMATCH
  *   (the key exists with another shape), EMBER_E_WORKER_LOST (rank 0 lost
- *   while waiting), EMBER_E_CLOSED, EMBER_E_TIMEOUT. After a failed init the
+ *   while waiting), EMBER_E_INVALID_ARGUMENT from the server (a chunk layout
+ *   other than its partition_bytes and server list give: workers and servers
+ *   configured differently), EMBER_E_CLOSED, EMBER_E_TIMEOUT, and EMBER_E_IO /
+ *   EMBER_E_AUTH / EMBER_E_VERSION_MISMATCH / EMBER_E_PROTOCOL / EMBER_E_CONFIG
+ *   from a reconnect, as for ember_push. After a failed init the
  *   key is not this worker's: its push and pull fail with EMBER_E_NOT_FOUND
  *   until an init succeeds. */
 EMBER_API int ember_init(ember_worker* worker, uint64_t key, const uint64_t* shape, size_t ndim,
@@ -273,7 +287,8 @@ EMBER_API int ember_init(ember_worker* worker, uint64_t key, const uint64_t* sha
  *   key's step is now the server's, see ember_step), EMBER_E_CLOSED,
  *   EMBER_E_TIMEOUT, EMBER_E_IO (a server stayed unreachable: "cannot
  *   connect ... 1 attempt"), EMBER_E_AUTH / EMBER_E_VERSION_MISMATCH (a
- *   reconnect was refused), EMBER_E_PROTOCOL (a reply of the wrong size).
+ *   reconnect was refused), EMBER_E_PROTOCOL (a reply of the wrong size),
+ *   EMBER_E_CONFIG (a reconnect's join refused, as in ember_worker_create).
  *   The server also answers EMBER_E_INVALID_ARGUMENT to a push more than 64
  *   steps past the key's open round: pull before pushing further. */
 EMBER_API int ember_push(ember_worker* worker, uint64_t key, const float* gradient,
@@ -319,21 +334,28 @@ EMBER_API int ember_push_pull_async(ember_worker* worker, uint64_t key, const fl
 
 /* Every worker of the job reaches the barrier before any returns. Blocks.
  * out_generation: the barrier's sequence number (0, 1, ...).
- * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL), EMBER_E_WORKER_LOST,
- * EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
+ * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL; 16 barriers of this worker
+ * waiting already; a re-sent barrier older than the answers server 0 keeps),
+ * EMBER_E_WORKER_LOST, EMBER_E_CANCELLED (it came on a connection that a newer
+ * join of this rank replaced), EMBER_E_CLOSED, EMBER_E_TIMEOUT, and the
+ * reconnect errors of ember_init. */
 EMBER_API int ember_barrier(ember_worker* worker, uint64_t* out_generation);
 
 /* Sets the optimizer's learning rate on every server (applied before the
  * reply). Blocks until every server has answered.
  * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL, learning_rate <= 0, NaN or
- * infinite), EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
+ * infinite), EMBER_E_CLOSED, EMBER_E_TIMEOUT, and the reconnect errors of
+ * ember_init. */
 EMBER_API int ember_set_learning_rate(ember_worker* worker, double learning_rate);
 
 /* Every server writes a checkpoint now. Blocks until written.
  * out_sequence: each server numbers its own checkpoints; this is the
  * smallest of the sequence numbers the servers wrote this time.
  * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL), EMBER_E_CONFIG (a server
- * has no [server] checkpoint_dir), EMBER_E_IO, EMBER_E_CLOSED, EMBER_E_TIMEOUT. */
+ * has no [server] checkpoint_dir), EMBER_E_IO (the write failed),
+ * EMBER_E_TOO_LARGE (a server's checkpoint numbering is at 2^53),
+ * EMBER_E_CANCELLED (a server shut down first), EMBER_E_CLOSED,
+ * EMBER_E_TIMEOUT, and the reconnect errors of ember_init. */
 EMBER_API int ember_checkpoint(ember_worker* worker, uint64_t* out_sequence);
 
 /* ------------------------------------------------------------------------
@@ -341,8 +363,8 @@ EMBER_API int ember_checkpoint(ember_worker* worker, uint64_t* out_sequence);
  */
 
 /* Waits until `request` is done or timeout_ms milliseconds have passed
- * (0: just look; EMBER_WAIT_FOREVER: until done, which the worker's
- * request_timeout bounds). Returns EMBER_PENDING when still running (wait
+ * (0: just look; EMBER_WAIT_FOREVER: until done, which "Blocking" above
+ * bounds). Returns EMBER_PENDING when still running (wait
  * again later), EMBER_OK with *out_step (the operation's step: see
  * ember_push / ember_pull) when it succeeded, or the operation's error code
  * (with its message in ember_last_error). Waiting again on a done request
@@ -390,7 +412,7 @@ EMBER_API int ember_pipeline_push_pull(ember_pipeline* pipeline, uint64_t key,
 EMBER_API int ember_pipeline_flush(ember_pipeline* pipeline);
 
 /* Flushes, then waits for every operation enqueued since the last
- * ember_pipeline_wait. Blocks (each operation bounded by request_timeout).
+ * ember_pipeline_wait. Blocks (each operation bounded as "Blocking" says).
  * Errors: EMBER_E_INVALID_ARGUMENT (pipeline NULL), else the first error of
  * the operations (all are waited for). */
 EMBER_API int ember_pipeline_wait(ember_pipeline* pipeline);

@@ -9,6 +9,8 @@
 // checkpoint files count, and restore renames the files it refuses aside
 // ("<name>.corrupt"), so corrupt files never displace valid ones.
 //
+// Checksums are CRC32C (RFC 3720 B.4; common/wire/crc32c.h).
+//
 // Layout (little-endian; docs/checkpoint-format.md has the table):
 //   file header   128 bytes (format 2; 64 in format 1): magic "EMBRCKPT",
 //                 format version, server index, sequence, creation time,

@@ -4,21 +4,32 @@
 // Formulas are PyTorch's torch.optim single-tensor algorithms (the
 // "Algorithm" boxes of the torch.optim.SGD / Adam / AdamW / Adagrad
 // documentation, PyTorch 2.x), with dampening = 0, maximize = false,
-// amsgrad = false and lr_decay = 0:
+// amsgrad = false and lr_decay = 0. The algorithms are those of
+//   momentum   Polyak, "Some methods of speeding up the convergence of
+//              iteration methods", USSR Comput. Math. 1964 (heavy ball);
+//              nesterov = true is Nesterov (1983) in the form of Sutskever et
+//              al., "On the importance of initialization and momentum in
+//              deep learning", ICML 2013, as PyTorch implements it;
+//   adam       Kingma & Ba, "Adam: A Method for Stochastic Optimization",
+//              ICLR 2015 (Algorithm 1, with eps outside the corrected sqrt);
+//   adamw      Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
+//              ICLR 2019 (decay scaled by lr, as PyTorch's AdamW);
+//   adagrad    Duchi, Hazan & Singer, "Adaptive Subgradient Methods for
+//              Online Learning and Stochastic Optimization", JMLR 2011.
 //
 //   sgd       g = grad + wd * p;                       p -= lr * g
 //   momentum  g = grad + wd * p;  b = (t == 1) ? g : mu * b + g
 //             g = nesterov ? g + mu * b : b;           p -= lr * g
 //   adam      g = grad + wd * p;  m = b1 * m + (1 - b1) * g
 //             v = b2 * v + (1 - b2) * g * g
-//             p -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+//             p -= (lr / (1 - b1^t)) * (m / (sqrt(v) / sqrt(1 - b2^t) + eps))
 //   adamw     p *= 1 - lr * wd;   then adam with wd = 0
-//   adagrad   g = grad + wd * p;  s += g * g;          p -= lr * g / (sqrt(s) + eps)
+//   adagrad   g = grad + wd * p;  s += g * g;          p -= lr * (g / (sqrt(s) + eps))
 //
 // t counts updates applied to the chunk, starting at 1 for the first. As in
 // PyTorch, tensor arithmetic is float32 with the hyper-parameters rounded to
-// float32, while the bias corrections (1 - b^t) and the Adam step size are
-// computed in double and rounded once. Adagrad's accumulator starts at
+// float32, while the bias corrections (1 - b^t), the Adam step size and
+// AdamW's decay factor (1 - lr * wd) are computed in double and rounded once. Adagrad's accumulator starts at
 // `initial_accumulator` (PyTorch's initial_accumulator_value), Adam's moments
 // at 0. Defaults are PyTorch's per type: eps 1e-10 for adagrad and 1e-8 for
 // adam/adamw, weight decay 0.01 for adamw and 0 otherwise, initial_accumulator

@@ -40,8 +40,8 @@
 // listener, checkpoint thread and metrics; shutdown() stops accepting,
 // closes connections, drains the shards, writes a final checkpoint (when
 // checkpoint_dir is set) and stops everything. Thread-safety: create,
-// shutdown and the accessors from the owning thread; request_checkpoint from
-// any thread.
+// shutdown and the accessors from the owning thread; checkpoint_now from any
+// thread but the server's own (see there).
 #pragma once
 
 #include <array>
@@ -59,8 +59,13 @@ class Server {
  public:
   // Errors: kConfig (unusable settings, e.g. a checkpoint from another
   // optimizer type, partition_bytes above the largest block), kIo (bind,
-  // threads, checkpoint directory, the recording file), and the pool's and
-  // transport's errors.
+  // threads, checkpoint directory, the recording file), kUnavailable (another
+  // live ember-server holds checkpoint_dir's lock), kCorrupt or
+  // kInvalidArgument (the checkpoint being restored passed its checksums but
+  // holds an entry the store refuses: sizes that do not fit its shape,
+  // optimizer state of another size, an entry twice; move the file aside), kInvalidArgument from the
+  // recorder (record_pattern with more than 65536 workers), and the pool's
+  // and transport's errors.
   static Result<std::unique_ptr<Server>> create(const config::Config& config);
   ~Server();  // shutdown() if not done
 
@@ -82,9 +87,11 @@ class Server {
   // shard threads and I/O threads whose probe is still queued.
   Status check_liveness();
 
-  // Writes a checkpoint now and waits for it. Errors: kConfig when
-  // checkpoint_dir is empty, kIo from the write. Any thread except an I/O
-  // or shard thread.
+  // Writes a checkpoint now and waits for it; returns its sequence number
+  // (the one in its file name). Errors: kConfig when checkpoint_dir is
+  // empty, kIo from the write, kTooLarge when the sequence would pass 2^53
+  // (checkpoint.h), kCancelled when the server shuts down first. Any thread
+  // except an I/O or shard thread.
   Result<std::uint64_t> checkpoint_now();
 
  private:

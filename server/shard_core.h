@@ -223,9 +223,11 @@ class ShardCore {
                TimePoint now, ReplySink& sink);
 
   // kPush: ok at once (recorded or duplicate). Errors: kNotFound (no such
-  // entry), kShapeMismatch (layout or dtype differs), kStale (bsp round
-  // over), kOutOfStep (bsp: the rank skipped steps; see "Out of step"),
-  // kInvalidArgument (step too far ahead).
+  // entry), kShapeMismatch (layout or dtype differs), kStale (bsp: the
+  // round is over; ssp: a step the rank skipped when it came back after a
+  // shrink, see on_worker_back), kOutOfStep (bsp: the rank skipped steps;
+  // see "Out of step"), kInvalidArgument (step too far ahead of the open
+  // round, or a step of 2^53 or more: proto::kLargestStep).
   void on_push(const Request& request, Payload gradient, TimePoint now, ReplySink& sink);
 
   // kPull: the parameters, at once or when the step's condition holds.
@@ -261,8 +263,10 @@ class ShardCore {
   // rank's clock is capped at the version: contributions to an open round
   // are not saved, so their re-sends must be accepted after a restore.
   std::vector<EntrySnapshot> snapshot() const;
-  // Adds a restored entry. Errors: kCorrupt (sizes inconsistent, optimizer
-  // state of another type, rank count differs), kInvalidArgument (entry exists).
+  // Adds a restored entry. A snapshot of another worker count is taken:
+  // clocks of ranks it lacks start at its version (bsp) or 0. Errors:
+  // kCorrupt (dtype other than float32, sizes that do not fit the shape,
+  // optimizer state of another type or size), kInvalidArgument (entry exists).
   Status restore(EntrySnapshot snapshot);
 
   // O(entries): walks the store for param_bytes and parked requests.

@@ -192,8 +192,10 @@ class Handle {
   // True when done (successfully or not). Never blocks.
   bool ready() const;
 
-  // Blocks until done. The worker's request_timeout bounds the wait: the
-  // operation fails with kTimeout then. For up to [communication] busy_poll
+  // Blocks until done. The worker's request_timeout bounds the wait (the
+  // operation fails with kTimeout then), plus up to heartbeat_timeout for a
+  // gradient sent without a copy that the transport still holds (file
+  // comment). For up to [communication] busy_poll
   // it polls before it sleeps; over shm it consumes the replies of the
   // request's connection meanwhile (any request's, on this thread:
   // transport::Connection::poll), so a reply does not wait for the worker's
@@ -207,8 +209,9 @@ class Handle {
   // that and an operation that itself timed out give kTimeout: ready()
   // tells them apart (false: still running). A
   // timeout of kWaitAsLongAsAnyRequest or more (nanoseconds::max()
-  // included) waits like wait(): no operation outlives request_timeout,
-  // whose maximum that is, and clock arithmetic on larger values overflows.
+  // included) waits like wait(): no operation outlives request_timeout
+  // (whose maximum that is) by more than heartbeat_timeout, and clock
+  // arithmetic on larger values overflows.
   Result<std::uint64_t> wait_for(std::chrono::nanoseconds timeout) const;
   static constexpr std::chrono::hours kWaitAsLongAsAnyRequest{24 * 365};
 

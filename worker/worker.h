@@ -214,8 +214,12 @@ class Worker {
   // (a server unreachable after connect_retries), kAuth / kVersionMismatch /
   // kProtocol (the handshake refused), kUnavailable (transport "rdma" with
   // no active RDMA port; pool_backing "hugetlb" or "thp" that this host
-  // cannot give), kIo (record_pattern on and the recording file cannot be
-  // created; pre-faulting the pool failed), kInternal (out of memory).
+  // cannot give; a server refused the join because this rank is connected
+  // already, still so after connect_retries: two workers given one rank, or
+  // a predecessor not yet declared lost), kIo (record_pattern on and the
+  // recording file cannot be created; pre-faulting the pool failed),
+  // kInvalidArgument (record_pattern with more than 65536 workers),
+  // kInternal (out of memory).
   static Result<std::unique_ptr<Worker>> create(const config::Config& config);
   // Loads `path` (config::load_config_file), applies `overrides`
   // ("table.key=value"), then create().
@@ -239,10 +243,14 @@ class Worker {
   // Registers `key` as a float32 tensor of `shape` (product = elements;
   // up to 8 dims, a scalar has none). Rank 0 must pass the initial values
   // (values.size() == elements); other ranks may pass an empty span.
-  // Errors (in the Handle): kInvalidArgument (sizes), kTooLarge (the tensor
+  // Errors (in the Handle): kInvalidArgument (sizes; from the server: a
+  // chunk layout other than its partition_bytes and server list give, i.e.
+  // workers and servers configured differently), kTooLarge (the tensor
   // is larger than this host's physical memory: every rank pulls all of it),
   // kShapeMismatch (the key exists with another shape), kWorkerLost (rank 0
-  // lost while waiting). After a failed init the key is not this worker's:
+  // lost while waiting), and the connection errors of push: kClosed,
+  // kTimeout, kIo, kAuth / kVersionMismatch / kProtocol, kConfig (a
+  // reconnect's join refused, see create). After a failed init the key is not this worker's:
   // its pushes and pulls fail with kNotFound until an init succeeds (with
   // any shape). Wait for init before pushing the key: a push issued while
   // its init is still in flight goes out whatever the init's outcome.
@@ -288,11 +296,19 @@ class Worker {
   // following generations in order. Failed barriers give their numbers back
   // once no later one is outstanding, so retries are the same barriers.
   // Errors: kWorkerLost (a worker is gone, per on_worker_loss), kClosed,
-  // kTimeout, kInvalidArgument (16 of this worker's barriers wait already).
+  // kTimeout, kInvalidArgument (16 of this worker's barriers wait already;
+  // a re-sent barrier older than the answers server 0 keeps), kCancelled
+  // (it came on a connection that a newer join of this rank replaced), and
+  // kIo / kAuth / kVersionMismatch / kProtocol / kConfig from a reconnect,
+  // as for push and init.
   Handle barrier();
-  // Errors: kInvalidArgument (lr <= 0 or not finite), kClosed, kTimeout.
+  // Errors: kInvalidArgument (lr <= 0 or not finite), kClosed, kTimeout, and
+  // the reconnect errors of barrier.
   Handle set_learning_rate(double learning_rate);
-  // Errors: kConfig (a server has no checkpoint_dir), kIo, kClosed, kTimeout.
+  // Asks every server to write a checkpoint now. Errors: kConfig (a server
+  // has no checkpoint_dir), kIo (the write failed), kTooLarge (a server's
+  // checkpoint numbering is at 2^53), kCancelled (a server shut down first),
+  // kClosed, kTimeout, and the reconnect errors of barrier.
   Handle checkpoint();
 
   // The next step push(key) will use; 0 for a key not init-ed. After a

@@ -51,6 +51,12 @@ struct ThreadCache {
 
 namespace {
 
+#ifdef NDEBUG
+constexpr bool kDebugBuild = false;  // slot_live_ exists only in debug builds
+#else
+constexpr bool kDebugBuild = true;
+#endif
+
 using detail::Magazine;
 using detail::ThreadCache;
 
@@ -342,7 +348,7 @@ Result<std::unique_ptr<PagePool>> PagePool::create(const PoolOptions& options) {
                       "page pool '{}': no memory for the block tables of {} ({} bytes per 4 KiB); "
                       "lower prealloc_pages",
                       options.name, format_bytes(length_bytes),
-                      2 * sizeof(std::uint32_t) + 2 * sizeof(std::uint8_t));
+                      2 * sizeof(std::uint32_t) + sizeof(std::uint8_t) + (kDebugBuild ? 1 : 0));
   }
   region->fd = -1;  // now owned by the pool
   region->base = nullptr;

@@ -163,7 +163,8 @@ class PagePool {
   // milliseconds per GiB. Errors: kInvalidArgument (prealloc_pages == 0),
   // kTooLarge (prealloc_pages > kMaxPreallocPages), kUnavailable (an explicit
   // backing cannot be had, the message naming the setting to change; or no
-  // heap memory for the block tables, about 10 bytes per 4 KiB of region),
+  // heap memory for the block tables, 9 bytes per 4 KiB of region in release
+  // builds, 10 in debug builds),
   // kIo (a system call failed, e.g. not enough memory to pre-fault).
   static Result<std::unique_ptr<PagePool>> create(const PoolOptions& options);
 

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <span>
 
+#include "common/base/check.h"
+
 namespace ember::memory {
 
 inline constexpr std::size_t kNumSizeClasses = 8;
@@ -77,9 +79,11 @@ class Block {
   bool empty() const noexcept { return data_ == nullptr; }
   explicit operator bool() const noexcept { return data_ != nullptr; }
 
-  // pre: size_bytes <= capacity_bytes() (checked in debug builds by the pool's
-  // users through span(); a larger value is a bug).
+  // pre: size_bytes <= capacity_bytes() (checked in debug builds; a larger
+  // value is a bug).
   void set_size_bytes(std::size_t size_bytes) noexcept {
+    EMBER_DCHECK_MSG(size_bytes <= capacity_bytes(), "size {} above capacity {}", size_bytes,
+                     capacity_bytes());
     size_bytes_ = static_cast<std::uint32_t>(size_bytes);
   }
   // [data(), data() + size_bytes()).

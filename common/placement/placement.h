@@ -4,8 +4,9 @@
 // (key, chunk index) to (server index, channel index), with no coordination:
 // the map depends only on the key, the chunk index and the counts. Chunking
 // follows ps-lite/BytePS: a tensor larger than partition_bytes is cut into
-// ceil(bytes / partition_bytes) chunks of partition_bytes (the last one
-// shorter), each placed independently so large tensors spread over servers
+// ceil(bytes / step) chunks of step bytes, step being partition_bytes rounded
+// down to a multiple of the element size (at least one element; the last
+// chunk shorter), each placed independently so large tensors spread over servers
 // and channels. Chunk boundaries are multiples of the element size.
 //
 // The hash is one step of SplitMix64 (Steele, Lea, Flood, "Fast Splittable
@@ -70,7 +71,8 @@ struct Chunk {
 // (rounded down to a multiple of `element_bytes`, at least one element) and
 // places each. A zero-byte tensor yields one zero-length chunk (so init and
 // pull still reach its owner). pre: element_bytes > 0, partition_bytes > 0,
-// num_servers > 0, num_channels > 0, tensor_bytes % element_bytes == 0.
+// num_servers > 0, num_channels > 0, tensor_bytes % element_bytes == 0, and
+// num_chunks(...) < 2^32 (chunk indices are 32-bit on the wire).
 std::vector<Chunk> chunk_plan(std::uint64_t key, std::uint64_t tensor_bytes,
                               std::uint64_t element_bytes, std::uint64_t partition_bytes,
                               std::uint32_t num_servers, std::uint32_t num_channels);

@@ -279,7 +279,7 @@ struct MessageView {
 // product without overflow and <= kMaxElements, fixed bodies of the right
 // length, error text <= kMaxErrorTextBytes, status kOk in requests; the
 // in-place flag only on pull and payload-follows push_pull requests with a
-// 16-byte placement whose reserved field is 0, and on successful pull and
+// 16-byte placement (ReplyPlacement), and on successful pull and
 // push_pull replies without data).
 // Errors: kMalformedFrame naming the field and its value; kVersionMismatch.
 [[nodiscard]] Result<MessageView> decode(std::span<const std::byte> bytes);

@@ -24,6 +24,7 @@ namespace ember::proto {
 // batching, channels (resolved_num_channels), I/O threads and their CPUs,
 // heartbeats, sizes, auth token. `connect_timeout` comes from [worker].
 // "rdma" without a device fails later, in Transport::create (kUnavailable).
+// Errors: kConfig (a value transport::Options::validate refuses).
 [[nodiscard]] Result<transport::Options> transport_options(const config::Config& config);
 
 // The page pool of [communication] (prealloc_pages, pool_backing), named

@@ -7,8 +7,9 @@
 // max_queued_bytes, auth_token. The caller adds receive_allocator (usually
 // pool_receive_allocator) and may change connect_timeout.
 //
-// transport = "auto" picks rdma when an RDMA device has an active port, else
-// shm when `peer_on_same_host`, else tcp (rdma::choose_auto); the choice and
+// transport = "auto" picks shm when `peer_on_same_host` (and shm is built),
+// else rdma when an RDMA device has an active port, else tcp
+// (rdma::choose_auto); the choice and
 // why are logged once, per call. transport = "rdma" gives Kind::kRdma; without a device,
 // Transport::create fails with kUnavailable.
 //

@@ -30,7 +30,8 @@ Status wait_ready(int fd, short events, Deadline deadline, const char* what, int
 Status write_all(int fd, std::span<const std::byte> bytes, Deadline deadline, const char* what,
                  int cancel_fd = -1);
 
-// Reads exactly `out.size()` bytes. Errors: kTimeout, kIo, kClosed (EOF), kCancelled.
+// Reads exactly `out.size()` bytes. Errors: kTimeout, kIo, kClosed (EOF,
+// ECONNRESET), kCancelled.
 Status read_exact(int fd, std::span<std::byte> out, Deadline deadline, const char* what,
                   int cancel_fd = -1);
 

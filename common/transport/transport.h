@@ -119,7 +119,7 @@ using ReceiveAllocator = std::function<Result<Buffer>(std::uint64_t size_bytes)>
 struct Options {
   Kind kind = Kind::kTcp;
   // Largest batch frame, header and item table included. Messages that do
-  // not fit in an empty batch are sent as large messages.
+  // not fit in an empty batch are sent as large messages. 512 B .. 64 MiB.
   std::uint64_t batch_threshold_bytes = 4096;
   // A non-empty open batch is sent at most this long after its first message
   // was added, or as soon as it is full, whichever is first. Zero: a batch is
@@ -131,8 +131,8 @@ struct Options {
   // An I/O thread with nothing to do polls this long before it blocks in
   // epoll_wait (transport/io_threads.h). 0: block at once.
   std::chrono::nanoseconds busy_poll{0};
-  // Lanes per Connection. The listener accepts only peers that ask for the
-  // same count.
+  // Lanes per Connection, 1 .. 256. The listener accepts only peers that ask
+  // for the same count.
   std::uint32_t num_channels = 1;
   ZeroCopy zero_copy = ZeroCopy::kWritev;
   // tcp: whether a large message's frame (wire::encode_single) has its
@@ -149,14 +149,15 @@ struct Options {
   // shm and rdma ignore it.
   std::size_t inline_write_bytes = std::size_t{8} << 20;
   // Number of I/O threads (each with its own io_context); channels are
-  // spread over them round-robin. >= 1.
+  // spread over them round-robin. 1 .. 256.
   std::uint32_t num_io_threads = 1;
   // CPU per I/O thread (index i pins thread i); empty: not pinned. Pinning
   // failure is logged, not fatal.
   std::vector<int> cpu_affinity;
   // A heartbeat is sent on a channel that has sent nothing for this long; a
   // peer from which nothing (data or heartbeat) arrives for heartbeat_timeout
-  // is declared dead: the Connection closes with ErrorCode::kTimeout.
+  // is declared dead: the Connection closes with ErrorCode::kTimeout. The
+  // interval is positive and the timeout greater than it.
   std::chrono::nanoseconds heartbeat_interval = std::chrono::seconds(1);
   std::chrono::nanoseconds heartbeat_timeout = std::chrono::seconds(10);
   // Largest message (payload bytes) accepted by send() and from a peer.
@@ -165,7 +166,7 @@ struct Options {
   // shm and rdma, not yet released by the peer), per Connection, all
   // channels together. A single message larger than this is still accepted
   // when nothing else is queued, so the bound is max(max_queued_bytes,
-  // largest message).
+  // largest message). At least batch_threshold_bytes.
   std::uint64_t max_queued_bytes = std::uint64_t{256} << 20;
   // shm: slots in each channel's shared-memory ring, per direction (config
   // key ring_buffer_size). A slot holds one batch (batch_threshold_bytes) or
@@ -179,7 +180,9 @@ struct Options {
   std::chrono::nanoseconds connect_timeout = std::chrono::seconds(10);
   ReceiveAllocator receive_allocator;
 
-  // Checks ranges and combinations; the Error names the field and the fix.
+  // Checks the ranges and combinations stated at the fields (and positive
+  // max_message_bytes and connect_timeout, non-negative flush_interval).
+  // Errors: kConfig, naming the field and the fix.
   Status validate() const;
 };
 
@@ -243,7 +246,9 @@ struct Handlers {
   // Exactly once: the Connection is closed. `reason` is kClosed for an orderly
   // close (either side called close()), kTimeout for a silent peer, kIo for a
   // reset, kMalformedFrame / kChecksumMismatch / kProtocol for a peer that sent
-  // garbage, or the receive allocator's error. Buffers handed to send() that
+  // garbage, kTooLarge (a frame above the limits) or kVersionMismatch (a
+  // frame of another wire version) from the frame decoder, kCancelled when
+  // ~Transport closes it (see Lifetimes), or the receive allocator's error. Buffers handed to send() that
   // were not yet written have been released (their completions ran with
   // `reason`) before this call.
   std::function<void(Connection& connection, const Error& reason)> on_closed;
@@ -444,7 +449,8 @@ class Transport {
   // registers it once. tcp records it and needs nothing more. Returns the
   // region id to put in MemoryLocation::region_id (adapters do this).
   // Thread-safety: call before listen()/connect(), from one thread. Errors:
-  // kInvalidArgument (null base, zero length, fd < 0 for shm), kIo.
+  // kInvalidArgument (null base, zero length, fd < 0 for shm, a length that
+  // is not a multiple of 4 KiB for shm), kIo.
   struct Region {
     void* base = nullptr;
     std::uint64_t length_bytes = 0;
@@ -463,9 +469,11 @@ class Transport {
   // Connects to a Listener and handshakes every channel. Blocks the calling
   // thread (not an I/O thread) for at most options().connect_timeout.
   // Errors: kInvalidArgument (address), kIo (refused/unreachable), kTimeout,
+  // kClosed (the peer closed or reset the connection during the handshake),
   // kAuth ("the server refused our auth token"), kVersionMismatch (naming
   // both versions), kProtocol (the peer is not an Ember server, or the
-  // channel counts differ), kCancelled (~Transport began; see Lifetimes).
+  // channel counts differ), kCancelled (~Transport began; see Lifetimes),
+  // or any other code the listener's refusal carries (its text names why).
   virtual Result<std::shared_ptr<Connection>> connect(const std::string& address,
                                                       LocalIdentity self, Handlers handlers) = 0;
 

@@ -165,7 +165,7 @@ enum class Checksum : std::uint8_t {
 // payload byte once for the CRC32C; with kPrefix reads none. Copies none. The
 // pieces must not change until the frame is sent.
 // Errors: kTooLarge when the payload exceeds kMaxFrameBytes - kSinglePrefixBytes
-// - 7 bytes (the receiver's DecoderOptions::max_frame_bytes is usually lower:
+// bytes (a multiple of 8, so the padded frame still fits; the receiver's DecoderOptions::max_frame_bytes is usually lower:
 // chunk large tensors). Any thread; no allocation.
 Result<SingleFrame> encode_single(std::span<std::byte, kSinglePrefixBytes> prefix_out,
                                   std::span<const std::span<const std::byte>> payload_pieces,

@@ -32,8 +32,9 @@
 
 namespace ember::transport::tcp {
 
-// pre: options.kind == Kind::kTcp and options.validate() succeeded
-// (Transport::create checks both). Starts the I/O threads.
+// pre: options.kind == Kind::kTcp (Transport::create checks it). Starts the
+// I/O threads. Errors: kConfig (options.validate(), checked here too), kIo
+// (an I/O thread could not be started).
 Result<std::unique_ptr<Transport>> create_tcp_transport(Options options);
 
 }  // namespace ember::transport::tcp
