@@ -183,7 +183,6 @@ EMBER_API int ember_set_log_level(const char* level);
  *                             the retries because this rank is connected
  *                             already (two workers given one rank, or a
  *                             predecessor not yet declared lost)
- *   EMBER_E_INVALID_ARGUMENT  also: record_pattern with more than 65536 workers
  *   EMBER_E_IO                also: pre-faulting the page pool failed, or the
  *                             record_pattern file cannot be created
  *   EMBER_E_INTERNAL          out of memory */

@@ -63,9 +63,8 @@ class Server {
   // live ember-server holds checkpoint_dir's lock), kCorrupt or
   // kInvalidArgument (the checkpoint being restored passed its checksums but
   // holds an entry the store refuses: sizes that do not fit its shape,
-  // optimizer state of another size, an entry twice; move the file aside), kInvalidArgument from the
-  // recorder (record_pattern with more than 65536 workers), and the pool's
-  // and transport's errors.
+  // optimizer state of another size, an entry twice; move the file aside),
+  // and the pool's and transport's errors.
   static Result<std::unique_ptr<Server>> create(const config::Config& config);
   ~Server();  // shutdown() if not done
 

@@ -218,7 +218,6 @@ class Worker {
   // already, still so after connect_retries: two workers given one rank, or
   // a predecessor not yet declared lost), kIo (record_pattern on and the
   // recording file cannot be created; pre-faulting the pool failed),
-  // kInvalidArgument (record_pattern with more than 65536 workers),
   // kInternal (out of memory).
   static Result<std::unique_ptr<Worker>> create(const config::Config& config);
   // Loads `path` (config::load_config_file), applies `overrides`

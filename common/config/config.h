@@ -190,7 +190,8 @@ struct CommunicationConfig {
   // set, one trailing newline dropped; auth_token then prints as ""): keeps
   // it off command lines. Not together with auth_token.
   std::string auth_token_file;
-  // record_pattern: record per-channel head/tail positions and message sizes.
+  // record_pattern: record per-channel head/tail positions and message sizes
+  // (cluster.num_workers at most kMaxRecordedRanks).
   bool record_pattern = false;
   // record_path: base name of the recording; each process writes
   // <record_path>.server<i> or <record_path>.worker<r>. Required when
@@ -341,6 +342,9 @@ HostPort effective_listen(const Config& config);
 // ---------------------------------------------------------------------------
 // Loading, validating, printing.
 
+// Most worker ranks a pattern recording holds (record::RecorderOptions).
+inline constexpr std::uint32_t kMaxRecordedRanks = 65536;
+
 // Reads and parses a TOML file. Errors (kConfig): the file is missing or
 // unreadable (naming the path and the errno text), a directory, larger than
 // kMaxConfigFileBytes (also what a device such as /dev/urandom or an endless
@@ -371,7 +375,8 @@ inline constexpr std::size_t kMaxConfigFileBytes = std::size_t{16} << 20;
 // heartbeat_timeout > heartbeat_interval; max_message_size >= batch_threshold
 // and >= partition_bytes; max_queued_bytes >= max_message_size;
 // zero_copy = "sendfile" is refused with pool_backing = "hugetlb" (a hugetlb
-// memfd cannot feed sendfile: EINVAL); record_pattern needs record_path;
+// memfd cannot feed sendfile: EINVAL); record_pattern needs record_path and
+// at most kMaxRecordedRanks workers;
 // server_index < number of servers; worker rank < num_workers; nesterov only
 // with type = "momentum"; metrics_listen differs from the data address.
 // Field rules are those listed with each member above.

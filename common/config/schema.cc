@@ -896,6 +896,17 @@ std::vector<CrossRule> build_cross_rules() {
                  return std::string("is true but record_path is empty; set record_path to the "
                                     "file the recording goes to, e.g. \"/tmp/ember-pattern.bin\"");
                }});
+  r.push_back({{"communication.record_pattern", "cluster.num_workers"},
+               [](const Config& c) -> Problem {
+                 if (!c.communication.record_pattern ||
+                     c.cluster.num_workers <= kMaxRecordedRanks) {
+                   return std::nullopt;
+                 }
+                 return fmt::format("is true but cluster.num_workers = {} is above the {} ranks a "
+                                    "recording holds; record a job of at most {} workers, or set "
+                                    "record_pattern = false",
+                                    c.cluster.num_workers, kMaxRecordedRanks, kMaxRecordedRanks);
+               }});
   r.push_back({{"server.server_index", "cluster.servers"}, [](const Config& c) -> Problem {
                  if (c.server.server_index < c.cluster.servers.size()) return std::nullopt;
                  return fmt::format("{} is not a position in cluster.servers, which lists {} "

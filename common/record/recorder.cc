@@ -16,7 +16,7 @@ namespace ember::record {
 namespace {
 
 constexpr std::uint32_t kMaxChannels = 1024;
-constexpr std::uint32_t kMaxRanks = 65536;
+constexpr std::uint32_t kMaxRanks = config::kMaxRecordedRanks;
 constexpr std::chrono::nanoseconds kMinInterval = std::chrono::microseconds(10);
 constexpr std::chrono::nanoseconds kMaxInterval = std::chrono::minutes(1);
 

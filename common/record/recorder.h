@@ -101,10 +101,9 @@ class Recorder {
   // create() with path = recording_path(record_path, role, index), source
   // "<role> <index>", num_ranks = cluster.num_workers. Every process of a
   // job loads the same config, so each writes its own file next to
-  // record_path. Errors: create()'s (among them kInvalidArgument when
-  // cluster.num_workers is above the 65536 ranks a recording holds, which
-  // the config alone allows), and kInvalidArgument for a role that is empty
-  // or not lowercase letters.
+  // record_path. Errors: create()'s (a validated config keeps num_workers
+  // within config::kMaxRecordedRanks when recording), and kInvalidArgument
+  // for a role that is empty or not lowercase letters.
   [[nodiscard]] static Result<std::unique_ptr<Recorder>> from_config(
       const config::Config& config, std::string_view role, std::uint32_t index,
       std::uint32_t num_channels,

@@ -619,6 +619,14 @@ TEST(ConfigErrors, CrossFieldRulesPointAtTheLine) {
   EXPECT_THAT(parse_error("[communication]\nrecord_pattern = true\n"),
               HasSubstr("cfg.toml:2: key 'communication.record_pattern': is true but record_path "
                         "is empty"));
+  EXPECT_THAT(parse_error("[cluster]\nnum_workers = 65537\n[communication]\nrecord_pattern = "
+                          "true\nrecord_path = \"/tmp/p.bin\"\n"),
+              HasSubstr("cfg.toml:4: key 'communication.record_pattern': is true but "
+                        "cluster.num_workers = 65537 is above the 65536 ranks a recording holds"));
+  auto most = parse_config("[cluster]\nnum_workers = 65536\n[communication]\nrecord_pattern = "
+                           "true\nrecord_path = \"/tmp/p.bin\"\n",
+                           "cfg.toml");
+  EXPECT_TRUE(most) << most.error().to_string();
   EXPECT_THAT(parse_error("[server]\nserver_index = 1\n"),
               HasSubstr("cfg.toml:2: key 'server.server_index': 1 is not a position in "
                         "cluster.servers, which lists 1 server(s); use 0 .. 0"));
