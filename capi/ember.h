@@ -300,8 +300,7 @@ EMBER_API int ember_push(ember_worker* worker, uint64_t key, const float* gradie
  *   EMBER_E_NOT_FOUND, EMBER_E_WORKER_LOST, EMBER_E_OUT_OF_STEP (bsp/ssp: the
  *   step needs pushes of this worker the server never received; the key's
  *   step is now the server's, unless this worker's own pushes of the key are
- *   still unanswered, e.g. queued in an unflushed pipeline: then the pull
- *   overtook them and the step stays), EMBER_E_CLOSED, EMBER_E_TIMEOUT, and
+ *   still unanswered: then the pull overtook them and the step stays), EMBER_E_CLOSED, EMBER_E_TIMEOUT, and
  *   EMBER_E_IO / EMBER_E_AUTH / EMBER_E_VERSION_MISMATCH / EMBER_E_PROTOCOL
  *   as for ember_push. */
 EMBER_API int ember_pull(ember_worker* worker, uint64_t key, float* out, size_t num_elements,

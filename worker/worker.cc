@@ -312,6 +312,15 @@ struct KeyState {
   // servers refused), and the next init starts over, with any shape.
   static constexpr int kInitPending = 0, kInitDone = 1, kInitFailed = 2;
   std::atomic<int> init_state{kInitPending};
+  // Held from taking a request's step until its chunks are handed to their
+  // channels, so that requests of this key leave in step order whichever
+  // threads issue them (a channel delivers in the order of send()).
+  std::mutex issue_mutex;
+  // Under issue_mutex: the thread whose pipelined request of this key went
+  // last into a channel ring (where it may still be), or none. A request
+  // from another thread or a direct one first flushes those rings: a ring's
+  // per-thread lanes do not keep order between threads.
+  std::thread::id queued_by;
 };
 
 // One request ready to go to a server channel.
@@ -1714,9 +1723,9 @@ std::optional<std::string> Worker::Impl::handle_reply(std::uint32_t server, cons
             ks ? ks->pushes_unanswered.load(std::memory_order_acquire) : 0;
         if (unanswered != 0) {
           hint = fmt::format(
-              "; but this worker has {} push(es) of key {} not yet answered (queued in a "
-              "pipeline that was not flushed?): the pull overtook them, so the step is not "
-              "reset and step(key) stays {}: flush or wait for those pushes, then pull again",
+              "; but this worker has {} push(es) of key {} not yet answered: the pull "
+              "overtook them, so the step is not reset and step(key) stays {}: wait for "
+              "those pushes, then pull again",
               unanswered, h.key, ks->next_step.load(std::memory_order_acquire));
         }
       }
@@ -2086,10 +2095,15 @@ Handle Worker::Impl::init_key(Key key, std::span<const std::uint64_t> shape,
   }
   bool overflow = false;
   const std::uint64_t n = product(shape, overflow);
-  if (overflow || n > proto::kMaxElements) {
+  // Each dimension too, as the server's decoder checks it: [0, 2^41] has no
+  // elements but is a malformed init, whose connection the server closes.
+  const bool dim_too_large = std::ranges::any_of(
+      shape, [](std::uint64_t d) { return d > proto::kMaxElements; });
+  if (overflow || n > proto::kMaxElements || dim_too_large) {
     return Handle::failed(Error(ErrorCode::kInvalidArgument,
-                                fmt::format("init of key {}: shape [{}] is too large", key,
-                                            fmt::join(shape, ", "))));
+                                fmt::format("init of key {}: shape [{}] is too large: the "
+                                            "elements, and each dimension, are at most {}",
+                                            key, fmt::join(shape, ", "), proto::kMaxElements)));
   }
   // Every rank pulls the whole tensor into its own memory, so a tensor
   // larger than this host's memory cannot be used here. Refused before any
@@ -2229,6 +2243,12 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
   // Counted before the step is taken, so a pull on another thread never
   // sees the step advanced without the push that advanced it.
   if (sends) ks->pushes_unanswered.fetch_add(1, std::memory_order_acq_rel);
+  std::unique_lock in_step_order(ks->issue_mutex);
+  const std::thread::id self = std::this_thread::get_id();
+  if (ks->queued_by != std::thread::id{} && (!pipelined || ks->queued_by != self)) {
+    for (const placement::Chunk& ch : ks->chunks) flush_ring(*servers[ch.server], ch.channel);
+  }
+  ks->queued_by = pipelined ? self : std::thread::id{};
   std::uint64_t s = 0;
   if (step) {
     s = *step;

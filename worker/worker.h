@@ -106,14 +106,12 @@
 // to request_timeout. A pipeline()'s flush() sends, so it may wait the same
 // way, and so may an enqueue() that finds its channel's ring full (it then
 // sends what is queued). Calls from different
-// threads may overlap; per key and worker, issue pushes in step order (a
-// call returns after its request is handed to the channel, so a call made
-// after another returned is sent after it; two concurrent pushes of one key
-// may reach the server out of step and be refused with kOutOfStep), and do
-// not mix pipelined and direct requests of one key before a flush (a direct
-// one overtakes those still queued; a bsp/ssp pull that so overtakes this
-// worker's own pushes of the key is refused with kOutOfStep, its message
-// says so, and step(key) stays as it is, so no push is lost).
+// threads may overlap, on one key too: a call takes its step and hands its
+// request to the channel in one step (per key, under a lock), so the
+// requests of a key leave in step order whichever threads issue them, and
+// every push whose call succeeds is applied once. A direct request, or a
+// pipelined one from another thread, first sends the key's requests still
+// queued in a pipeline (a ring's lanes keep no order between threads).
 //
 // When a push is done. Over shm a gradient in pool memory larger than a
 // batch is not copied: the server reads it in place and gives the block back

@@ -776,8 +776,8 @@ class Worker:
         After an EmberError with code E_OUT_OF_STEP (a server restored from an
         older checkpoint refused the step), the step that server expects:
         pull(key) at it and continue from there. (Not after a pull that
-        overtook this worker's own unanswered pushes of the key, e.g. queued
-        in an unflushed pipeline: the error says so, and the step stays.)"""
+        overtook this worker's own unanswered pushes of the key: the error
+        says so, and the step stays.)"""
         s = ctypes.c_uint64()
         _check(lib.ember_step(self._h(), _key(key), ctypes.byref(s)))
         return s.value
