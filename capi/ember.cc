@@ -19,11 +19,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <string>
-#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -155,9 +155,39 @@ struct ember_pipeline {
 struct ember_worker {
   std::uint64_t tag = kWorkerTag;
   std::unique_ptr<ember::Worker> worker;
+  // A buffer from ember_alloc, and the asynchronous requests started with a
+  // pointer into it (pruned once done): ember_free refuses while one runs.
+  struct Live {
+    ember::TensorBuffer buffer;
+    std::vector<ember::Handle> users;
+  };
   mutable std::mutex mutex;  // guards buffers and pipelines
-  std::unordered_map<const void*, ember::TensorBuffer> buffers;
+  std::map<const void*, Live> buffers;  // by start address
   std::unordered_set<ember_pipeline*> pipelines;
+
+  // The live buffer that holds `p`, or null. pre: mutex held.
+  Live* holding(const void* p) {
+    auto it = buffers.upper_bound(p);
+    if (it == buffers.begin()) return nullptr;
+    --it;
+    const auto* start = static_cast<const std::byte*>(it->first);
+    const auto* at = static_cast<const std::byte*>(p);
+    return at < start + it->second.buffer.size_bytes() ? &it->second : nullptr;
+  }
+  // Records that `h` reads or writes the buffers holding `a` and `b` (either
+  // may be null or outside every buffer) until it is done.
+  void note_users(const ember::Handle& h, const void* a, const void* b) {
+    if (h.ready()) return;
+    std::lock_guard lock(mutex);
+    Live* first = a != nullptr ? holding(a) : nullptr;
+    Live* second = b != nullptr ? holding(b) : nullptr;
+    if (second == first) second = nullptr;  // one buffer holds both
+    for (Live* live : {first, second}) {
+      if (live == nullptr) continue;
+      std::erase_if(live->users, [](const ember::Handle& u) { return u.ready(); });
+      live->users.push_back(h);
+    }
+  }
 };
 
 struct ember_request {
@@ -288,6 +318,7 @@ int tensor_op_async(Op op, ember_worker* w, std::uint64_t key, const float* grad
     // reachable by the caller (a bad_alloc after starting would orphan it).
     auto r = std::make_unique<ember_request>();
     r->handle = start(*w->worker, op, key, gradient, out, n);
+    w->note_users(r->handle, gradient, out);
     *out_request = r.release();
     return ember::ok_status();
   });
@@ -304,6 +335,7 @@ int pipeline_op(Op op, ember_pipeline* p, std::uint64_t key, const float* gradie
     std::unique_ptr<ember_request> r;
     if (out_request != nullptr) r = std::make_unique<ember_request>();
     ember::Handle h = enqueue(p->pipeline, op, key, gradient, out, n);
+    p->owner->note_users(h, gradient, out);
     if (r) {
       r->handle = std::move(h);
       *out_request = r.release();
@@ -479,7 +511,7 @@ EMBER_API int ember_alloc(ember_worker* worker, size_t bytes, void** out_data) {
     }
     void* data = b.bytes().data();
     std::lock_guard lock(worker->mutex);
-    worker->buffers.emplace(data, std::move(b));
+    worker->buffers.emplace(data, ember_worker::Live{std::move(b), {}});
     *out_data = data;
     return ember::ok_status();
   });
@@ -500,7 +532,15 @@ EMBER_API int ember_free(ember_worker* worker, void* data) {
                                        "nothing was freed",
                                        data));
       }
-      doomed = std::move(it->second);
+      std::erase_if(it->second.users, [](const ember::Handle& u) { return u.ready(); });
+      if (!it->second.users.empty()) {
+        return invalid(fn, fmt::format("{} is still used by {} running request(s) (an "
+                                       "ember_*_async or pipeline operation given a pointer "
+                                       "into it); wait for them (ember_wait, "
+                                       "ember_pipeline_wait) before freeing; nothing was freed",
+                                       data, it->second.users.size()));
+      }
+      doomed = std::move(it->second.buffer);
       worker->buffers.erase(it);
     }
     return ember::ok_status();
@@ -519,8 +559,8 @@ EMBER_API int ember_buffer_info(const ember_worker* worker, const void* data, si
       return ember::make_error(ErrorCode::kNotFound,
                                "{}: {} is not the start of a live buffer of this worker", fn, data);
     }
-    if (out_bytes != nullptr) *out_bytes = it->second.size_bytes();
-    if (out_in_pool != nullptr) *out_in_pool = it->second.in_pool() ? 1 : 0;
+    if (out_bytes != nullptr) *out_bytes = it->second.buffer.size_bytes();
+    if (out_in_pool != nullptr) *out_in_pool = it->second.buffer.in_pool() ? 1 : 0;
     return ember::ok_status();
   });
 }

@@ -225,9 +225,12 @@ EMBER_API int ember_step(const ember_worker* worker, uint64_t key, uint64_t* out
 EMBER_API int ember_alloc(ember_worker* worker, size_t bytes, void** out_data);
 
 /* Releases a buffer from ember_alloc of this worker. NULL data is a no-op.
- * Pre: no running request uses it.
+ * A buffer that an asynchronous or pipelined request started with a pointer
+ * into it still uses (not done yet: over shm the server may still read it)
+ * is not freed. Pre: no blocking call on another thread uses it.
  * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL; data not a live buffer of
- * this worker, e.g. freed twice or from another worker: nothing is freed). */
+ * this worker, e.g. freed twice or from another worker; a running request
+ * still uses it: wait for it first. Nothing is freed then). */
 EMBER_API int ember_free(ember_worker* worker, void* data);
 
 /* Size in bytes of the buffer starting at `data` and whether it lies in the

@@ -264,6 +264,58 @@ TEST(CapiServer, BspRequestIsPendingUntilTheOtherWorkerPushes) {
   }
 }
 
+// ember_free refuses a buffer that a running asynchronous request was given
+// a pointer into (the server may still read it over shm: the breaker's
+// repro freed it, the next ember_alloc reused the block and the server
+// applied the new contents), and frees it once the request is done.
+TEST(CapiServer, FreeRefusesABufferARunningRequestUses) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.learning_rate = 0.5;
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  ember_worker* w[2] = {nullptr, nullptr};
+  {
+    std::thread t([&] { w[1] = create_worker(dir, spec, {server.address()}, 1); });
+    w[0] = create_worker(dir, spec, {server.address()}, 0);
+    t.join();
+  }
+  WorkerGuard g0{w[0]}, g1{w[1]};
+  ASSERT_TRUE(w[0] && w[1]);
+  const uint64_t shape[] = {3};
+  const std::vector<float> init{1, 2, 3};
+  {
+    int rc1 = -1;
+    std::thread t([&] { rc1 = ember_init(w[1], 5, shape, 1, nullptr, 0, nullptr); });
+    ASSERT_EQ(ember_init(w[0], 5, shape, 1, init.data(), 3, nullptr), EMBER_OK) << last();
+    t.join();
+    ASSERT_EQ(rc1, EMBER_OK);
+  }
+  void* mem = nullptr;
+  ASSERT_EQ(ember_alloc(w[0], 4096, &mem), EMBER_OK) << last();
+  // The gradient and the reply both sit inside the buffer, past its start.
+  auto* f = static_cast<float*>(mem);
+  for (int i = 0; i < 3; ++i) f[16 + i] = 1.0f;
+  ember_request* req = nullptr;
+  ASSERT_EQ(ember_push_pull_async(w[0], 5, f + 16, f + 32, 3, &req), EMBER_OK) << last();
+  // Pending: the round needs rank 1's push.
+  EXPECT_EQ(ember_free(w[0], mem), EMBER_E_INVALID_ARGUMENT);
+  EXPECT_THAT(last(), HasSubstr("is still used by 1 running request(s)"));
+  EXPECT_THAT(last(), HasSubstr("nothing was freed"));
+  size_t bytes = 0;
+  EXPECT_EQ(ember_buffer_info(w[0], mem, &bytes, nullptr), EMBER_OK) << last();
+  EXPECT_EQ(bytes, 4096u);
+  std::vector<float> g1v(3, 3.0f), p1(3);
+  ASSERT_EQ(ember_push_pull(w[1], 5, g1v.data(), p1.data(), 3, nullptr), EMBER_OK) << last();
+  uint64_t step = 0;
+  ASSERT_EQ(ember_wait(req, EMBER_WAIT_FOREVER, &step), EMBER_OK) << last();
+  ember_request_free(req);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(f[32 + i], p1[i]) << i;
+  EXPECT_EQ(ember_free(w[0], mem), EMBER_OK) << last();
+  EXPECT_EQ(ember_free(w[0], mem), EMBER_E_INVALID_ARGUMENT);  // gone now
+}
+
 TEST(CapiServer, ConcurrentAsyncOperationsOnKeysOfDifferentSizes) {
   // A batch-sized tensor (1000 floats, just under batch_threshold), a tiny
   // one and a large one (196 KiB, sent alone) in flight at once.
