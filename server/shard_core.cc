@@ -33,8 +33,9 @@ ShardCore::Entry* ShardCore::find(const Request& request, ReplySink& sink) {
     sink.error(request.to, h,
                Error(ErrorCode::kNotFound,
                      fmt::format("{} is not registered; call init for the key first (a worker "
-                                 "that did: this server restarted without a checkpoint to restore, "
-                                 "[server] checkpoint_dir, and lost the job's parameters)",
+                                 "that did: this server restarted and lost the key, having no "
+                                 "checkpoint to restore ([server] checkpoint_dir) or only one "
+                                 "written before the key's init; init it again, then pull)",
                                  entry_name(EntryId{h.key, h.chunk_index}))));
     return nullptr;
   }
@@ -140,7 +141,14 @@ void ShardCore::reply_init(const Entry& e, const Request& request,
                            std::span<const std::uint64_t> shape, ReplySink& sink) {
   const proto::Header& h = request.header;
   Status layout = check_layout(e, h);
-  if (layout && !std::equal(shape.begin(), shape.end(), e.shape.begin(), e.shape.end())) {
+  if (!layout) {
+    // Another element count (or dtype, or chunking): name the shapes too.
+    layout = make_error(ErrorCode::kShapeMismatch,
+                        "{}; it was registered with shape [{}] and this init asks for [{}]: init "
+                        "a key with the shape it has (given by rank 0's first init, or restored "
+                        "from a checkpoint), or use another key",
+                        layout.error().message(), fmt::join(e.shape, ", "), fmt::join(shape, ", "));
+  } else if (!std::equal(shape.begin(), shape.end(), e.shape.begin(), e.shape.end())) {
     layout = make_error(ErrorCode::kShapeMismatch,
                         "{} was registered with shape [{}]; this init asks for [{}]: init a "
                         "key with the shape it has (given by rank 0's first init, or restored "

@@ -1191,7 +1191,7 @@ Status Worker::Impl::check_same_settings(ServerLink& link, const proto::JoinRepl
     if (consistency_text(body) != consistency_text(o)) {
       what = fmt::format("runs {}, but server {} ({}) runs {}", consistency_text(body), other->index,
                          other->address, consistency_text(o));
-      table = "[server] consistency, staleness_steps and on_worker_loss";
+      table = "[server] consistency, staleness and on_worker_loss";
     } else if (optimizer_text(body) != optimizer_text(o)) {
       what = fmt::format("applies optimizer {}, but server {} ({}) applies optimizer {}",
                          optimizer_text(body), other->index, other->address, optimizer_text(o));

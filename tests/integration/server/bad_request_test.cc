@@ -538,7 +538,7 @@ TEST(BadRequestsServers, ServersWithDifferentSettingsAreRefusedAtJoin) {
       {{"--set", "server.consistency=asp"},
        {"runs consistency \"asp\", on_worker_loss \"wait\", but server 0 (",
         ") runs consistency \"bsp\", on_worker_loss \"wait\"",
-        "Give every server the same [server] consistency, staleness_steps and on_worker_loss"}},
+        "Give every server the same [server] consistency, staleness and on_worker_loss"}},
       {{"--set", "optimizer.type=adam"},
        {"applies optimizer \"adam\", but server 0 (", ") applies optimizer \"sgd\""}},
       {{"--set", "optimizer.learning_rate=0.2"},

@@ -176,6 +176,13 @@ TEST_F(ShardCoreTest, WaitingInitWithOtherShapeFailsWhenRankZeroArrives) {
   EXPECT_FALSE(s[0].is_error);
   EXPECT_TRUE(s[1].is_error);
   EXPECT_EQ(s[1].error.code(), ErrorCode::kShapeMismatch);
+  // Another element count: the message names both shapes and what to do.
+  EXPECT_NE(s[1].error.message().find("holds 2 elements"), std::string::npos)
+      << s[1].error.message();
+  EXPECT_NE(s[1].error.message().find("it was registered with shape [2] and this init asks for "
+                                      "[3]: init a key with the shape it has"),
+            std::string::npos)
+      << s[1].error.message();
 }
 
 TEST_F(ShardCoreTest, NonFloat32InitIsRefused) {
@@ -201,7 +208,7 @@ TEST_F(ShardCoreTest, UnknownKeyIsNotFound) {
     EXPECT_NE(x.error.message().find("key 99"), std::string::npos);
     // What to do, and the cause when the worker did init: a restart that lost the state.
     EXPECT_NE(x.error.message().find("call init for the key first"), std::string::npos);
-    EXPECT_NE(x.error.message().find("restarted without a checkpoint to restore"), std::string::npos)
+    EXPECT_NE(x.error.message().find("restarted and lost the key, having no checkpoint to restore"), std::string::npos)
         << x.error.message();
   }
 }
