@@ -177,8 +177,11 @@ def _check_shape(shapes, key, arr, what):
                          % (what, key, arr.shape, known, arr.size))
 
 
-def _as_input(values):
+def _as_input(values, what="gradient"):
     # No copy when `values` is already a C-contiguous float32 array.
+    if values is None:
+        raise TypeError("%s must be an array of float32 values (or convertible to one), "
+                        "got None" % what)
     return np.ascontiguousarray(values, dtype=np.float32)
 
 

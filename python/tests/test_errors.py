@@ -164,6 +164,8 @@ def test_wrong_key_and_sizes_with_a_real_server(server):
             w.push(-1, np.ones(4))
         with pytest.raises(TypeError):
             w.push("1", np.ones(4))
+        with pytest.raises(TypeError, match="gradient must be an array .* got None"):
+            w.push(1, None)
         with pytest.raises(TypeError):
             w.pull(1, out=np.zeros(4, np.float64))
         with pytest.raises(ValueError):
