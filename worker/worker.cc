@@ -314,14 +314,24 @@ struct KeyState {
   std::atomic<int> init_state{kInitPending};
   // Held from taking a request's step until its chunks are handed to their
   // channels, so that requests of this key leave in step order whichever
-  // threads issue them (a channel delivers in the order of send()).
-  std::mutex issue_mutex;
-  // Under issue_mutex: the thread whose pipelined request of this key went
-  // last into a channel ring (where it may still be), or none. A request
-  // from another thread or a direct one first flushes those rings: a ring's
-  // per-thread lanes do not keep order between threads.
-  std::thread::id queued_by;
+  // threads issue them (a channel delivers in the order of send()). Waited
+  // for at most request_timeout (the holder may be reconnecting).
+  std::timed_mutex issue_mutex;
+  // Under issue_mutex: the thread (issuing_thread_token()) whose pipelined
+  // request of this key went last into a channel ring, where it may still
+  // be; 0 for none. A request from another thread or a direct one first
+  // flushes those rings: a ring's per-thread lanes keep no order between
+  // threads.
+  std::uint64_t queued_by = 0;
 };
+
+// A number per thread, never reused (std::thread::id values are, and a new
+// thread with a finished one's id gets another ring lane).
+std::uint64_t issuing_thread_token() {
+  static std::atomic<std::uint64_t> next{1};
+  thread_local const std::uint64_t token = next.fetch_add(1, std::memory_order_relaxed);
+  return token;
+}
 
 // One request ready to go to a server channel.
 struct Outgoing {
@@ -2240,15 +2250,28 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
                     "training iterations from 0",
                     proto::msg_type_name(type), key, *step, kLargestStep)));
   }
+  std::unique_lock in_step_order(ks->issue_mutex, std::defer_lock);
+  if (!in_step_order.try_lock() &&
+      !in_step_order.try_lock_until(Clock::now() + config.worker.request_timeout)) {
+    return Handle::failed(Error(
+        ErrorCode::kTimeout,
+        fmt::format("{} of key {}: another thread's request of this key was still being handed "
+                    "to its channel after request_timeout ({} ms; reconnecting to server(s) {}?); "
+                    "nothing was sent",
+                    proto::msg_type_name(type), key,
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        config.worker.request_timeout)
+                        .count(),
+                    ks->servers)));
+  }
+  const std::uint64_t self = issuing_thread_token();
+  if (ks->queued_by != 0 && (!pipelined || ks->queued_by != self)) {
+    for (const placement::Chunk& ch : ks->chunks) flush_ring(*servers[ch.server], ch.channel);
+  }
+  ks->queued_by = pipelined ? self : 0;
   // Counted before the step is taken, so a pull on another thread never
   // sees the step advanced without the push that advanced it.
   if (sends) ks->pushes_unanswered.fetch_add(1, std::memory_order_acq_rel);
-  std::unique_lock in_step_order(ks->issue_mutex);
-  const std::thread::id self = std::this_thread::get_id();
-  if (ks->queued_by != std::thread::id{} && (!pipelined || ks->queued_by != self)) {
-    for (const placement::Chunk& ch : ks->chunks) flush_ring(*servers[ch.server], ch.channel);
-  }
-  ks->queued_by = pipelined ? self : std::thread::id{};
   std::uint64_t s = 0;
   if (step) {
     s = *step;

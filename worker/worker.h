@@ -109,9 +109,16 @@
 // threads may overlap, on one key too: a call takes its step and hands its
 // request to the channel in one step (per key, under a lock), so the
 // requests of a key leave in step order whichever threads issue them, and
-// every push whose call succeeds is applied once. A direct request, or a
-// pipelined one from another thread, first sends the key's requests still
-// queued in a pipeline (a ring's lanes keep no order between threads).
+// the server applies each once. A call that finds another thread's request
+// of the key still being handed over (e.g. reconnecting) waits for it at
+// most request_timeout (then kTimeout, nothing sent) before its own
+// request_timeout starts. A direct request, or a pipelined one from another
+// thread, first sends the key's requests still queued in a pipeline (a
+// ring's lanes keep no order between threads). One exception to "each
+// push applied": a failed push gives its step back for the retry (see
+// push), so when several threads push one key, the next thread's push can
+// take that step and, if the failed one had reached the server after all,
+// be acknowledged as its duplicate without being applied.
 //
 // When a push is done. Over shm a gradient in pool memory larger than a
 // batch is not copied: the server reads it in place and gives the block back

@@ -725,6 +725,42 @@ TEST_P(ConcurrentPushesOfOneKey, EverySuccessfulPushIsAppliedOnce) {
   EXPECT_EQ(out, (std::vector<float>{1 - applied, 2 - applied, 3 - applied, 4 - applied}));
 }
 
+// The same through one pipeline shared by the threads, with a direct push
+// between: each thread's queued pushes of the key go out before another
+// thread's (or a direct call's) push of it, so no step overtakes another.
+TEST_P(ConcurrentPushesOfOneKey, PipelinedFromSeveralThreadsEveryPushIsAppliedOnce) {
+  config::Config c = base_config(1);  // sgd, learning rate 1
+  ASSERT_TRUE(config::apply_overrides(c, std::vector<std::string>{
+                                             std::string("server.consistency=") + GetParam()}));
+  LocalServer s(c);
+  auto w = s.worker(0);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+  constexpr int kThreads = 3;
+  constexpr int kEach = 40;  // under the 64 steps bsp lets a push run ahead
+  const std::vector<float> g(4, 1.0f);
+  {
+    Pipeline pipe = w->pipeline();
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&] {
+        for (int i = 0; i < kEach; ++i) pipe.enqueue(1, g);
+      });
+    }
+    for (auto& th : threads) th.join();
+    auto direct = w->push(1, g).wait();
+    EXPECT_TRUE(direct) << direct.error().to_string();
+    ASSERT_TRUE(pipe.wait());
+  }
+  const int total = kThreads * kEach + 1;
+  std::vector<float> out(4);
+  auto r = w->pull(1, out).wait();
+  ASSERT_TRUE(r) << r.error().to_string();
+  EXPECT_EQ(*r, static_cast<std::uint64_t>(total));
+  const auto applied = static_cast<float>(total);
+  EXPECT_EQ(out, (std::vector<float>{1 - applied, 2 - applied, 3 - applied, 4 - applied}));
+}
+
 INSTANTIATE_TEST_SUITE_P(Consistency, ConcurrentPushesOfOneKey,
                          ::testing::Values("bsp", "asp", "ssp"));
 
