@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <atomic>
 #include <limits>
 #include <map>
 #include <memory>
@@ -156,13 +158,19 @@ struct ember_worker {
   std::uint64_t tag = kWorkerTag;
   std::unique_ptr<ember::Worker> worker;
   // A buffer from ember_alloc, and the asynchronous requests started with a
-  // pointer into it (pruned once done): ember_free refuses while one runs.
+  // pointer into it: ember_free refuses while one runs. Done requests are
+  // pruned when `users` has doubled since the last pruning (amortised O(1)
+  // per request: a step issuing N requests into one buffer must not check
+  // N^2 handles) and at ember_free.
   struct Live {
     ember::TensorBuffer buffer;
     std::vector<ember::Handle> users;
+    std::size_t prune_at = kMinPruneAt;
   };
+  static constexpr std::size_t kMinPruneAt = 16;
   mutable std::mutex mutex;  // guards buffers and pipelines
   std::map<const void*, Live> buffers;  // by start address
+  std::atomic<std::size_t> num_buffers{0};  // buffers.size(), read without the mutex
   std::unordered_set<ember_pipeline*> pipelines;
 
   // The live buffer that holds `p`, or null. pre: mutex held.
@@ -170,22 +178,31 @@ struct ember_worker {
     auto it = buffers.upper_bound(p);
     if (it == buffers.begin()) return nullptr;
     --it;
-    const auto* start = static_cast<const std::byte*>(it->first);
-    const auto* at = static_cast<const std::byte*>(p);
-    return at < start + it->second.buffer.size_bytes() ? &it->second : nullptr;
+    const auto start = reinterpret_cast<std::uintptr_t>(it->first);
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    return at - start < it->second.buffer.size_bytes() ? &it->second : nullptr;
   }
   // Records that `h` reads or writes the buffers holding `a` and `b` (either
-  // may be null or outside every buffer) until it is done.
-  void note_users(const ember::Handle& h, const void* a, const void* b) {
-    if (h.ready()) return;
-    std::lock_guard lock(mutex);
-    Live* first = a != nullptr ? holding(a) : nullptr;
-    Live* second = b != nullptr ? holding(b) : nullptr;
-    if (second == first) second = nullptr;  // one buffer holds both
-    for (Live* live : {first, second}) {
-      if (live == nullptr) continue;
-      std::erase_if(live->users, [](const ember::Handle& u) { return u.ready(); });
-      live->users.push_back(h);
+  // may be null or outside every buffer) until it is done. Best effort: it
+  // never throws (out of memory, the request goes unrecorded), and a
+  // request started on one thread while another frees its buffer may not be
+  // seen in time (ember.h: nothing may be about to use a freed buffer).
+  void note_users(const ember::Handle& h, const void* a, const void* b) noexcept {
+    if (num_buffers.load(std::memory_order_acquire) == 0 || h.ready()) return;
+    try {
+      std::lock_guard lock(mutex);
+      Live* first = a != nullptr ? holding(a) : nullptr;
+      Live* second = b != nullptr ? holding(b) : nullptr;
+      if (second == first) second = nullptr;  // one buffer holds both
+      for (Live* live : {first, second}) {
+        if (live == nullptr) continue;
+        if (live->users.size() >= live->prune_at) {
+          std::erase_if(live->users, [](const ember::Handle& u) { return u.ready(); });
+          live->prune_at = std::max(kMinPruneAt, 2 * live->users.size());
+        }
+        live->users.push_back(h);
+      }
+    } catch (...) {
     }
   }
 };
@@ -512,6 +529,7 @@ EMBER_API int ember_alloc(ember_worker* worker, size_t bytes, void** out_data) {
     void* data = b.bytes().data();
     std::lock_guard lock(worker->mutex);
     worker->buffers.emplace(data, ember_worker::Live{std::move(b), {}});
+    worker->num_buffers.store(worker->buffers.size(), std::memory_order_release);
     *out_data = data;
     return ember::ok_status();
   });
@@ -536,12 +554,14 @@ EMBER_API int ember_free(ember_worker* worker, void* data) {
       if (!it->second.users.empty()) {
         return invalid(fn, fmt::format("{} is still used by {} running request(s) (an "
                                        "ember_*_async or pipeline operation given a pointer "
-                                       "into it); wait for them (ember_wait, "
-                                       "ember_pipeline_wait) before freeing; nothing was freed",
+                                       "into it); wait for them first (ember_wait; a pipelined "
+                                       "one: ember_pipeline_wait, or ember_pipeline_flush then "
+                                       "ember_wait); nothing was freed",
                                        data, it->second.users.size()));
       }
       doomed = std::move(it->second.buffer);
       worker->buffers.erase(it);
+      worker->num_buffers.store(worker->buffers.size(), std::memory_order_release);
     }
     return ember::ok_status();
   });

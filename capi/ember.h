@@ -50,8 +50,11 @@
  *   "Asynchrony"). The functions that send (ember_*_async, the pipeline
  *   functions that flush) return once the request is handed over; they wait
  *   only for room (a full send queue or shm ring: at most 30 s, then
- *   EMBER_E_TIMEOUT) or for a lost connection being re-established (bounded
- *   by request_timeout). The others never wait on the network.
+ *   EMBER_E_TIMEOUT), for a lost connection being re-established (bounded
+ *   by request_timeout), or for another thread's request of the same key to
+ *   be handed over (at most request_timeout, then EMBER_E_TIMEOUT and nothing
+ *   is sent; a request of a key leaves in step order, worker.h). The others
+ *   never wait on the network.
  *   No function calls back into the caller.
  *
  * Versioning: the library's SONAME is libember.so.<EMBER_ABI_VERSION>; the
@@ -227,7 +230,9 @@ EMBER_API int ember_alloc(ember_worker* worker, size_t bytes, void** out_data);
 /* Releases a buffer from ember_alloc of this worker. NULL data is a no-op.
  * A buffer that an asynchronous or pipelined request started with a pointer
  * into it still uses (not done yet: over shm the server may still read it)
- * is not freed. Pre: no blocking call on another thread uses it.
+ * is not freed (a pipelined one is done only after a flush: wait with
+ * ember_pipeline_wait). Pre: no call on another thread uses it or is about
+ * to (the check sees requests whose start call returned).
  * Errors: EMBER_E_INVALID_ARGUMENT (worker NULL; data not a live buffer of
  * this worker, e.g. freed twice or from another worker; a running request
  * still uses it: wait for it first. Nothing is freed then). */
@@ -395,8 +400,11 @@ EMBER_API int ember_pipeline_create(ember_worker* worker, ember_pipeline** out_p
 
 /* Queue a push / pull / push_pull (meaning, ownership of the buffers and
  * errors as with ember_push_async and friends). out_request may be NULL:
- * the result is then only seen through ember_pipeline_wait. Never block on
- * the network unless the channel's ring is full (that channel is flushed). */
+ * the result is then only seen through ember_pipeline_wait. They send only
+ * when the channel's ring is full (that channel is flushed), or when the
+ * key's previous pipelined request came from another thread (the key's
+ * rings are flushed first, to keep its steps in order); they may wait as
+ * "Blocking" says. */
 EMBER_API int ember_pipeline_push(ember_pipeline* pipeline, uint64_t key, const float* gradient,
                                   size_t num_elements, ember_request** out_request);
 EMBER_API int ember_pipeline_pull(ember_pipeline* pipeline, uint64_t key, float* out,

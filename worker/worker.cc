@@ -2256,8 +2256,8 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
     return Handle::failed(Error(
         ErrorCode::kTimeout,
         fmt::format("{} of key {}: another thread's request of this key was still being handed "
-                    "to its channel after request_timeout ({} ms; reconnecting to server(s) {}?); "
-                    "nothing was sent",
+                    "to its channel after [worker] request_timeout ({} ms; reconnecting to, or "
+                    "waiting for room at, server(s) {}); nothing was sent",
                     proto::msg_type_name(type), key,
                     std::chrono::duration_cast<std::chrono::milliseconds>(
                         config.worker.request_timeout)

@@ -355,8 +355,11 @@ class Pipeline {
   ~Pipeline();
 
   // Queue a push / pull / push_pull (same meaning and errors as Worker's).
-  // Any thread. Never sends by itself unless a channel's ring is full (then
-  // that channel is flushed to make room).
+  // Any thread. Sends by itself only when a channel's ring is full (then
+  // that channel is flushed to make room) or when the key's previous
+  // pipelined request came from another thread (the key's rings are flushed
+  // first, to keep its steps in order); may wait for another thread's
+  // request of the key (see "Asynchrony").
   Handle enqueue(Key key, std::span<const float> gradient);
   Handle enqueue_pull(Key key, std::span<float> out);
   Handle enqueue_push_pull(Key key, std::span<const float> gradient, std::span<float> out);

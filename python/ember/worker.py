@@ -447,8 +447,10 @@ class Pipeline:
 
     def enqueue(self, key, gradient, out=None):
         """Queues a push of `gradient` (out None) or a push_pull into `out`.
-        Returns a Future (its value: `out`, or the step for a push). Never
-        blocks on the network (unless a channel's ring is full)."""
+        Returns a Future (its value: `out`, or the step for a push). Sends
+        only when a channel's ring is full, or when the key's previous
+        pipelined request came from another thread (to keep its steps in
+        order). TypeError for a gradient of None."""
         key = _key(key)
         g = self._worker._gradient(key, gradient)
         if out is None:
