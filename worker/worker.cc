@@ -315,9 +315,31 @@ struct KeyState {
   // Held from taking a request's step until its chunks are handed to their
   // channels, so that requests of this key leave in step order whichever
   // threads issue them (a channel delivers in the order of send()). Waited
-  // for at most request_timeout (the holder may be reconnecting).
-  std::timed_mutex issue_mutex;
-  // Under issue_mutex: the thread (issuing_thread_token()) whose pipelined
+  // for at most request_timeout (the holder may be reconnecting). A flag
+  // under a mutex and a condition variable rather than a timed_mutex:
+  // ThreadSanitizer does not see pthread_mutex_clocklock take the lock.
+  struct IssueGate {
+    std::mutex mutex;
+    std::condition_variable released;
+    bool held = false;  // under mutex
+
+    // Takes the gate, waiting until `deadline`; false if it is still held.
+    bool enter(Clock::time_point deadline) {
+      std::unique_lock lock(mutex);
+      if (!released.wait_until(lock, deadline, [this] { return !held; })) return false;
+      held = true;
+      return true;
+    }
+    void leave() {
+      {
+        std::lock_guard lock(mutex);
+        held = false;
+      }
+      released.notify_one();
+    }
+  };
+  IssueGate issue_gate;
+  // Under issue_gate: the thread (issuing_thread_token()) whose pipelined
   // request of this key went last into a channel ring, where it may still
   // be; 0 for none. A request from another thread or a direct one first
   // flushes those rings: a ring's per-thread lanes keep no order between
@@ -2250,9 +2272,7 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
                     "training iterations from 0",
                     proto::msg_type_name(type), key, *step, kLargestStep)));
   }
-  std::unique_lock in_step_order(ks->issue_mutex, std::defer_lock);
-  if (!in_step_order.try_lock() &&
-      !in_step_order.try_lock_until(Clock::now() + config.worker.request_timeout)) {
+  if (!ks->issue_gate.enter(Clock::now() + config.worker.request_timeout)) {
     return Handle::failed(Error(
         ErrorCode::kTimeout,
         fmt::format("{} of key {}: another thread's request of this key was still being handed "
@@ -2264,6 +2284,10 @@ Handle Worker::Impl::tensor_op(proto::MsgType type, Key key, std::span<const flo
                         .count(),
                     ks->servers)));
   }
+  struct Leave {
+    KeyState::IssueGate& gate;
+    ~Leave() { gate.leave(); }
+  } in_step_order{ks->issue_gate};
   const std::uint64_t self = issuing_thread_token();
   if (ks->queued_by != 0 && (!pipelined || ks->queued_by != self)) {
     for (const placement::Chunk& ch : ks->chunks) flush_ring(*servers[ch.server], ch.channel);
