@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <future>
+#include <memory>
 #include <sstream>
 #include <thread>
 
@@ -689,16 +690,25 @@ TEST(WorkerClient, ADirectPullSendsTheKeysPushQueuedInAPipelineFirst) {
 // push whose call succeeded exactly once, under every consistency. (Pushes
 // used to leave out of step order: asp and ssp acknowledged the late ones
 // as duplicates without applying them, and bsp refused some out of step.)
-class ConcurrentPushesOfOneKey : public ::testing::TestWithParam<const char*> {};
+// One worker (sgd, learning rate 1) of a server of consistency GetParam(),
+// and key 1 init-ed with kInit.
+class ConcurrentPushesOfOneKey : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    config::Config c = base_config(1);
+    ASSERT_TRUE(config::apply_overrides(c, std::vector<std::string>{
+                                               std::string("server.consistency=") + GetParam()}));
+    s = std::make_unique<LocalServer>(c);
+    w = s->worker(0);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE(w->init(1, kShape, kInit).wait());
+  }
+
+  std::unique_ptr<LocalServer> s;
+  std::unique_ptr<Worker> w;
+};
 
 TEST_P(ConcurrentPushesOfOneKey, EverySuccessfulPushIsAppliedOnce) {
-  config::Config c = base_config(1);  // sgd, learning rate 1
-  ASSERT_TRUE(config::apply_overrides(c, std::vector<std::string>{
-                                             std::string("server.consistency=") + GetParam()}));
-  LocalServer s(c);
-  auto w = s.worker(0);
-  ASSERT_TRUE(w);
-  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
   constexpr int kThreads = 4;
   constexpr int kEach = 150;
   std::atomic<int> ok{0};
@@ -729,13 +739,6 @@ TEST_P(ConcurrentPushesOfOneKey, EverySuccessfulPushIsAppliedOnce) {
 // between: each thread's queued pushes of the key go out before another
 // thread's (or a direct call's) push of it, so no step overtakes another.
 TEST_P(ConcurrentPushesOfOneKey, PipelinedFromSeveralThreadsEveryPushIsAppliedOnce) {
-  config::Config c = base_config(1);  // sgd, learning rate 1
-  ASSERT_TRUE(config::apply_overrides(c, std::vector<std::string>{
-                                             std::string("server.consistency=") + GetParam()}));
-  LocalServer s(c);
-  auto w = s.worker(0);
-  ASSERT_TRUE(w);
-  ASSERT_TRUE(w->init(1, kShape, kInit).wait());
   constexpr int kThreads = 3;
   constexpr int kEach = 40;  // under the 64 steps bsp lets a push run ahead
   const std::vector<float> g(4, 1.0f);

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -203,30 +204,41 @@ TEST(CapiServer, WrongKeysAndSizesAreCodesWithMessages) {
   ASSERT_EQ(ember_push_pull(w, 1, v.data(), out.data(), 4, &step), EMBER_OK) << last();
 }
 
-TEST(CapiServer, BspRequestIsPendingUntilTheOtherWorkerPushes) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.learning_rate = 0.5;
-  ServerProcess server(dir, spec, 0);
-  ASSERT_TRUE(server.ok());
-  ember_worker* w[2] = {nullptr, nullptr};
-  {
-    std::thread t([&] { w[1] = create_worker(dir, spec, {server.address()}, 1); });
-    w[0] = create_worker(dir, spec, {server.address()}, 0);
-    t.join();
-  }
-  WorkerGuard g0{w[0]}, g1{w[1]};
-  ASSERT_TRUE(w[0] && w[1]);
-  const uint64_t shape[] = {3};
-  const std::vector<float> init{1, 2, 3};
-  {
+// One ember-server process, bsp, two C ABI workers (ranks 0 and 1, sgd with
+// learning rate 0.5) and key 5 of 3 elements init-ed with {1, 2, 3}.
+class CapiTwoWorkers : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spec.num_workers = 2;
+    spec.learning_rate = 0.5;
+    server = std::make_unique<ServerProcess>(dir, spec, 0);
+    ASSERT_TRUE(server->ok());
+    {
+      std::thread t([&] { w[1] = create_worker(dir, spec, {server->address()}, 1); });
+      w[0] = create_worker(dir, spec, {server->address()}, 0);
+      t.join();
+    }
+    ASSERT_TRUE(w[0] && w[1]);
+    const uint64_t shape[] = {3};
     int rc1 = -1;
     std::thread t([&] { rc1 = ember_init(w[1], 5, shape, 1, nullptr, 0, nullptr); });
     ASSERT_EQ(ember_init(w[0], 5, shape, 1, init.data(), 3, nullptr), EMBER_OK) << last();
     t.join();
     ASSERT_EQ(rc1, EMBER_OK);
   }
+  void TearDown() override {
+    ember_worker_destroy(w[0]);
+    ember_worker_destroy(w[1]);
+  }
+
+  TempDir dir;
+  ClusterSpec spec;
+  std::unique_ptr<ServerProcess> server;
+  ember_worker* w[2] = {nullptr, nullptr};
+  const std::vector<float> init{1, 2, 3};
+};
+
+TEST_F(CapiTwoWorkers, BspRequestIsPendingUntilTheOtherWorkerPushes) {
   std::vector<float> g0v(3, 1.0f), g1v(3, 3.0f), p0(3), p1(3);
   ember_request* req = nullptr;
   ASSERT_EQ(ember_push_pull_async(w[0], 5, g0v.data(), p0.data(), 3, &req), EMBER_OK) << last();
@@ -268,30 +280,7 @@ TEST(CapiServer, BspRequestIsPendingUntilTheOtherWorkerPushes) {
 // a pointer into (the server may still read it over shm: the breaker's
 // repro freed it, the next ember_alloc reused the block and the server
 // applied the new contents), and frees it once the request is done.
-TEST(CapiServer, FreeRefusesABufferARunningRequestUses) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.learning_rate = 0.5;
-  ServerProcess server(dir, spec, 0);
-  ASSERT_TRUE(server.ok());
-  ember_worker* w[2] = {nullptr, nullptr};
-  {
-    std::thread t([&] { w[1] = create_worker(dir, spec, {server.address()}, 1); });
-    w[0] = create_worker(dir, spec, {server.address()}, 0);
-    t.join();
-  }
-  WorkerGuard g0{w[0]}, g1{w[1]};
-  ASSERT_TRUE(w[0] && w[1]);
-  const uint64_t shape[] = {3};
-  const std::vector<float> init{1, 2, 3};
-  {
-    int rc1 = -1;
-    std::thread t([&] { rc1 = ember_init(w[1], 5, shape, 1, nullptr, 0, nullptr); });
-    ASSERT_EQ(ember_init(w[0], 5, shape, 1, init.data(), 3, nullptr), EMBER_OK) << last();
-    t.join();
-    ASSERT_EQ(rc1, EMBER_OK);
-  }
+TEST_F(CapiTwoWorkers, FreeRefusesABufferARunningRequestUses) {
   void* mem = nullptr;
   ASSERT_EQ(ember_alloc(w[0], 4096, &mem), EMBER_OK) << last();
   // The gradient and the reply both sit inside the buffer, past its start.
