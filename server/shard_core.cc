@@ -140,23 +140,23 @@ ShardCore::Entry::~Entry() {
 void ShardCore::reply_init(const Entry& e, const Request& request,
                            std::span<const std::uint64_t> shape, ReplySink& sink) {
   const proto::Header& h = request.header;
-  Status layout = check_layout(e, h);
+  const Status layout = check_layout(e, h);
+  std::string mismatch;  // what differs, "" when the init fits the entry
   if (!layout) {
     // Another element count (or dtype, or chunking): name the shapes too.
-    layout = make_error(ErrorCode::kShapeMismatch,
-                        "{}; it was registered with shape [{}] and this init asks for [{}]: init "
-                        "a key with the shape it has (given by rank 0's first init, or restored "
-                        "from a checkpoint), or use another key",
-                        layout.error().message(), fmt::join(e.shape, ", "), fmt::join(shape, ", "));
+    mismatch = fmt::format("{}; it was registered with shape [{}] and this init asks for [{}]",
+                           layout.error().message(), fmt::join(e.shape, ", "),
+                           fmt::join(shape, ", "));
   } else if (!std::equal(shape.begin(), shape.end(), e.shape.begin(), e.shape.end())) {
-    layout = make_error(ErrorCode::kShapeMismatch,
-                        "{} was registered with shape [{}]; this init asks for [{}]: init a "
-                        "key with the shape it has (given by rank 0's first init, or restored "
-                        "from a checkpoint), or use another key",
-                        entry_name(e.id), fmt::join(e.shape, ", "), fmt::join(shape, ", "));
+    mismatch = fmt::format("{} was registered with shape [{}]; this init asks for [{}]",
+                           entry_name(e.id), fmt::join(e.shape, ", "), fmt::join(shape, ", "));
   }
-  if (!layout) {
-    sink.error(request.to, h, layout.error());
+  if (!mismatch.empty()) {
+    sink.error(request.to, h,
+               Error(ErrorCode::kShapeMismatch,
+                     fmt::format("{}: init a key with the shape it has (given by rank 0's first "
+                                 "init, or restored from a checkpoint), or use another key",
+                                 mismatch)));
     return;
   }
   proto::Header r = proto::reply_header(h);
