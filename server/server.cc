@@ -197,6 +197,8 @@ struct Server::Impl final : ReplySink {
   metrics::Counter* replies_lent = nullptr;
   metrics::Gauge* lent_copies = nullptr;
   metrics::Counter* checkpoints_written = nullptr;
+  metrics::Counter* checkpoint_failures = nullptr;
+  metrics::Gauge* last_checkpoint_time = nullptr;
   metrics::Gauge* workers_connected = nullptr;
   metrics::Counter* bytes_in = nullptr;
   metrics::Counter* bytes_out = nullptr;
@@ -411,6 +413,15 @@ void Server::Impl::make_metrics() {
       "updated a copy instead (copy on write); should stay near 0");
   checkpoints_written =
       &registry.counter("ember_server_checkpoints_written_total", "Checkpoints written");
+  // The checkpoint thread is outside the watchdog's liveness check (a slow
+  // write must not get a serving server restarted): these two are how an
+  // operator sees checkpoints stop or fail (docs/troubleshooting.md).
+  checkpoint_failures = &registry.counter("ember_server_checkpoint_failures_total",
+                                          "Checkpoint writes that failed (logged with the cause)");
+  last_checkpoint_time = &registry.gauge(
+      "ember_server_last_checkpoint_timestamp_seconds",
+      "Unix time (seconds) at which the newest checkpoint this process wrote began its snapshot; "
+      "0 until it writes one");
   workers_connected =
       &registry.gauge("ember_server_workers_connected", "Worker ranks with a live connection");
   bytes_in = &registry.counter("ember_server_bytes_received_total", "Message payload bytes received");
@@ -1507,10 +1518,12 @@ Result<std::uint64_t> Server::Impl::write_checkpoint_now(bool shards_running) {
       // After the cause (to_string puts the errno text last).
       err = Error(err.code(), fmt::format("{}{}; {}", err.message(), err.cause(), hint));
     }
+    checkpoint_failures->inc();
     log->error("checkpoint {} failed: {}", data.sequence, err.to_string());
     return tl::unexpected(err);
   }
   checkpoints_written->inc();
+  last_checkpoint_time->set(static_cast<double>(data.created_unix_ns) * 1e-9);
   log->info("checkpoint {} written: '{}' ({} tensor chunk(s), {:.1f} ms)", data.sequence,
             path->string(), data.entries.size(),
             std::chrono::duration<double, std::milli>(Clock::now() - began).count());

@@ -317,5 +317,49 @@ TEST(ServerMetrics, EntriesCountStoredChunksAndBackingIsExported) {
   EXPECT_EQ(scrape_until(server.metrics_address(), "ember_server_entries", 5, &metrics), 5.0);
 }
 
+// The checkpoint thread is not in the watchdog's liveness check; a stopped or
+// failing checkpoint shows in these two metrics instead.
+TEST(ServerMetrics, CheckpointTimeAndFailuresAreExported) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.checkpoint_dir = (dir / "ckpt").string();
+  ServerProcess server(dir, spec, 0);
+  ASSERT_TRUE(server.ok());
+  emberctl::Exposition metrics;
+  const std::string stamp = "ember_server_last_checkpoint_timestamp_seconds";
+  const std::string failures = "ember_server_checkpoint_failures_total";
+  EXPECT_EQ(scrape_until(server.metrics_address(), stamp, 0, &metrics), 0.0);
+  EXPECT_EQ(metrics.value(failures), 0.0);
+
+  auto w = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(w) << w.error().to_string();
+  const std::uint64_t shape[] = {16};
+  ASSERT_TRUE((*w)->init(3, shape, std::vector<float>(16, 0.5f)).wait());
+  const auto unix_now = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
+  const double before = unix_now();
+  auto written = (*w)->checkpoint().wait();
+  ASSERT_TRUE(written) << written.error().to_string();
+  const double after = unix_now();
+  ASSERT_EQ(scrape_until(server.metrics_address(), "ember_server_checkpoints_written_total", 1, &metrics),
+            1.0);
+  const auto at = metrics.value(stamp);
+  ASSERT_TRUE(at);
+  EXPECT_GE(*at, before - 1e-3);
+  EXPECT_LE(*at, after + 1e-3);
+
+  // The directory replaced by a file: the next write fails (ENOTDIR), is
+  // counted, and the time of the last good one stays.
+  fs::rename(dir / "ckpt", dir / "ckpt.moved");
+  { std::ofstream(dir / "ckpt") << "not a directory\n"; }
+  auto failed = (*w)->checkpoint().wait();
+  ASSERT_FALSE(failed);
+  EXPECT_EQ(failed.error().code(), ErrorCode::kIo) << failed.error().to_string();
+  EXPECT_EQ(scrape_until(server.metrics_address(), failures, 1, &metrics), 1.0);
+  EXPECT_EQ(metrics.value(stamp), at);
+  EXPECT_EQ(metrics.value("ember_server_checkpoints_written_total"), 1.0);
+}
+
 }  // namespace
 }  // namespace ember::test
