@@ -118,10 +118,15 @@ fi
 for f in $(grep -A3 'server/ember-server' "$root/deploy/slurm/ember.sbatch" | grep -v '^#' | grep -o -- '--[a-z][a-z-]*' | sort -u); do
   has_flag "$tmp/server.help" "$f"
 done
-(cd "$root" && "$server" --config config/ember.toml --set "cluster.servers=n1:7070,n2:7070" \
-  --set cluster.num_workers=8 --set server.server_index=1 --set "communication.auth_token_file=$tmp/token" \
-  --listen 0.0.0.0:7070 --check-config >/dev/null) \
-  || fail "slurm's overrides are refused by --check-config"
+# The configs its usage names: the default and the multi-server example,
+# which writes an auth_token of its own (the sbatch clears it). Its
+# checkpoint_dir (/var/lib/ember) is moved here: this test may run unprivileged.
+for config in config/ember.toml config/examples/multi-server.toml; do
+  (cd "$root" && "$server" --config "$config" --set "cluster.servers=n1:7070,n2:7070" \
+    --set cluster.num_workers=8 --set server.server_index=1 --set "communication.auth_token=" \
+    --set "communication.auth_token_file=$tmp/token" --set "server.checkpoint_dir=$tmp/ckpt" --listen 0.0.0.0:7070 --check-config >/dev/null) \
+    || fail "slurm's overrides are refused by --check-config with $config"
+done
 
 # --- systemd -----------------------------------------------------------------
 unit="$root/deploy/systemd/ember-server.service"
