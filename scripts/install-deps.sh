@@ -5,6 +5,11 @@
 # not root). CUDA's nvcc is not a Debian package here: it is used when found
 # on PATH or in /usr/local/cuda, and the CPU-only build is first-class.
 set -euo pipefail
+case "${1-}" in
+  "") ;;
+  -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+  *) echo "install-deps.sh: unknown argument '$1' (it takes none; see --help)" >&2; exit 2 ;;
+esac
 
 PACKAGES=(
   # toolchain

@@ -31,7 +31,7 @@ while (($#)); do
     --no-fuzz) fuzz=0; shift ;;
     --no-deps) deps=0; shift ;;
     --target) targets+=(--target "$2"); shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

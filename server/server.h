@@ -58,7 +58,7 @@ namespace ember::server {
 class Server {
  public:
   // Errors: kConfig (unusable settings, e.g. a checkpoint from another
-  // optimizer type, partition_bytes above the largest block), kIo (bind,
+  // optimizer type), kIo (bind,
   // threads, checkpoint directory, the recording file), kUnavailable (another
   // live ember-server holds checkpoint_dir's lock), kCorrupt or
   // kInvalidArgument (the checkpoint being restored passed its checksums but

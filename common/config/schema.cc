@@ -749,9 +749,9 @@ std::vector<Field> build_fields() {
   f.push_back(string_field("server", "checkpoint_dir", "checkpoint directory; \"\" = off",
                            server(&ServerConfig::checkpoint_dir), /*is_path=*/true));
   f.push_back(duration_field("server", "checkpoint_interval",
-                             "time between checkpoints; \"0s\" = only on SIGTERM; else >= 1s",
+                             "time between checkpoints; \"0s\" = only on SIGTERM; else 1s .. 365 days",
                              server(&ServerConfig::checkpoint_interval), hours(24 * 365), false));
-  f.push_back(uint_field("server", "checkpoint_keep", "newest checkpoints kept; >= 1",
+  f.push_back(uint_field("server", "checkpoint_keep", "newest checkpoints kept; 1 .. 1000000",
                          server(&ServerConfig::checkpoint_keep), 1, 1'000'000,
                          "keep at least 1 checkpoint"));
   f.push_back(enum_field("server", "on_worker_loss", "\"wait\" | \"shrink\" | \"fail\"",
@@ -759,7 +759,7 @@ std::vector<Field> build_fields() {
                          std::vector{WorkerLossPolicy::kWait, WorkerLossPolicy::kShrink,
                                      WorkerLossPolicy::kFail}));
   f.push_back(duration_field("server", "worker_timeout",
-                             "how long \"wait\" waits for a lost worker; > 0",
+                             "how long \"wait\" waits for a lost worker; > 0, <= 365 days",
                              server(&ServerConfig::worker_timeout), hours(24 * 365), true));
   f.push_back(address_field("server", "metrics_listen",
                             "\"host:port\" of the Prometheus endpoint; \"\" = off",

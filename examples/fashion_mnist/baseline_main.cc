@@ -6,8 +6,8 @@
 //
 // Prints one line per epoch and a last line for scripts:
 //   RESULT epochs=3 batch_size=128 optimizer=sgd lr=0.05 ... test_accuracy=0.8731 ...
-// Exit status: 0 on success, 1 on a training or data error, CLI11's codes on
-// bad options.
+// Exit status: 0 on success, 1 on a training or data error, 2 on a
+// command-line error (an unknown or bad option).
 #include <cerrno>
 #include <cstdio>
 #include <cstring>

@@ -36,8 +36,8 @@
 // epoch gone back into is printed again when it ends. Errors go to stderr as one line
 //   fmnist-worker rank R: error: <code>: <what failed, with context>
 // Exit status: 0 on success; 1 on any error (data, config, Ember: server
-// absent, timeout, worker lost, ...); CLI11's codes (e.g. 105, 106, 109) for
-// bad options.
+// absent, timeout, worker lost, ...); 2 on a command-line error (an unknown or
+// bad option).
 #include <pthread.h>
 #include <sched.h>
 
@@ -356,7 +356,8 @@ int main(int argc, char** argv) {
                  "This rank is a restarted worker of a job the servers are running: continue "
                  "from the servers' step (their parameters; the epoch and step follow from it) "
                  "instead of refusing servers past step 0. Same command otherwise; the job's "
-                 "[server] on_worker_loss must be \"wait\" (or the others failed already)");
+                 "[server] on_worker_loss must be \"wait\" or \"shrink\" (under \"fail\" the others "
+                 "failed already)");
     app.add_option("--save-params", o.save_params,
                    "After training, write the parameters to this file (raw float32, key order)");
     app.add_option("--compute-cpu", o.compute_cpu,
