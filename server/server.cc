@@ -335,6 +335,19 @@ struct Server::Impl final : ReplySink {
   void send_raw(const ReplyTo& to, std::span<const std::byte> bytes);
   // The same, to the connection already looked up.
   void send_raw_to(ConnState& c, const ReplyTo& to, std::span<const std::byte> bytes);
+  // How long a shard (or checkpoint) thread waits for room in a worker's send
+  // queue (tcp, shm large) or ring (shm): heartbeat_timeout, the silence after
+  // which a peer counts as gone. Room that does not come that long means the
+  // worker reads none of its replies.
+  std::chrono::nanoseconds reply_wait() const { return config.communication.heartbeat_timeout; }
+  // After a reply from a thread that may wait was not sent (`s`). kTimeout
+  // (reply_wait passed with the queue full): the worker stopped reading its
+  // replies, and every reply to it would hold this thread, and every worker
+  // its shard serves, as long again. Its connection is closed, logged once
+  // with the peer: the worker reconnects and re-sends what it had in flight
+  // (pushes are deduplicated), so nothing the server accepted is lost. Other
+  // errors (kClosed: the worker went) are logged at debug level.
+  void reply_not_sent(ConnState& c, const Error& e);
   // A shard thread never is one, and must not read `transport`: shutdown()
   // destroys it (joining the I/O threads) while the shards still drain.
   // The shard that sends a reply an I/O thread could not (t_inline_shard).
@@ -1084,10 +1097,24 @@ void Server::Impl::send_raw_to(ConnState& c, const ReplyTo& to, std::span<const 
     return;
   }
   std::lock_guard channel_lock(*c.send_mutex[to.channel]);
-  if (Status s = c.conn->send(to.channel, bytes); !s) {
-    log->debug("message to worker {} not sent: {}", c.rank, s.error().to_string());
-  }
+  if (Status s = c.conn->send(to.channel, bytes, reply_wait()); !s) reply_not_sent(c, s.error());
   mark_dirty(c.conn, to.channel);
+}
+
+void Server::Impl::reply_not_sent(ConnState& c, const Error& e) {
+  if (e.code() != ErrorCode::kTimeout) {
+    log->debug("reply to worker {} not sent: {}", c.rank, e.to_string());
+    return;
+  }
+  if (c.closing.exchange(true)) return;
+  log->warn("worker {} ({}) reads none of its replies: {} (waited {} ms, [communication] "
+            "heartbeat_timeout); closing its connection, so that this server's other workers are "
+            "served; the worker reconnects and re-sends what it had in flight. A worker that "
+            "pipelines more replies than max_queued_bytes holds must read them as they come",
+            c.rank, c.peer, e.message(),
+            std::chrono::duration_cast<std::chrono::milliseconds>(reply_wait()).count());
+  c.close_explained.store(true);
+  close_here(c, std::chrono::nanoseconds(0));
 }
 
 void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
@@ -1160,13 +1187,13 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
   }
   std::lock_guard channel_lock(*c->send_mutex[to.channel]);
   if (placed) {
-    s = c->conn->send(to.channel, in_place_header);
+    s = c->conn->send(to.channel, in_place_header, reply_wait());
   } else if (total <= small_message_limit) {
     thread_local std::vector<std::byte> buf;
     buf.resize(total);
     proto::encode_prefix(h, {}, buf);
     if (!payload.empty()) std::memcpy(buf.data() + prefix, payload.data(), payload.size());
-    s = c->conn->send(to.channel, buf);
+    s = c->conn->send(to.channel, buf, reply_wait());
   } else {
     // Header, then the data as the next message in a block of exactly its
     // size. Over tcp a lent payload goes out from the parameter store (the
@@ -1187,14 +1214,14 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
       b = proto::allocate_buffer(*pool, payload.size(), region_id.load(std::memory_order_acquire));
       std::memcpy(b.data(), payload.data(), payload.size());
     }
-    s = c->conn->send(to.channel, hb);
+    s = c->conn->send(to.channel, hb, reply_wait());
     if (s) {
-      s = c->conn->send(to.channel, std::move(b));
+      s = c->conn->send(to.channel, std::move(b), {}, reply_wait());
       // The header went out without its payload: the channel is out of step.
-      if (!s) close_here(*c);
+      if (!s && s.error().code() != ErrorCode::kTimeout) close_here(*c);
     }
   }
-  if (!s) log->debug("reply to worker {} not sent: {}", c->rank, s.error().to_string());
+  if (!s) reply_not_sent(*c, s.error());
   mark_dirty(c->conn, to.channel);
 }
 

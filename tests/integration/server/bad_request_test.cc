@@ -26,8 +26,10 @@
 
 #include "common/proto/message.h"
 #include "common/transport/transport.h"
+#include "common/wire/batch_encoder.h"
 #include "tests/integration/server/harness.h"
 #include "tests/integration/server/workers.h"
+#include "tests/unit/transport/raw_peer.h"
 #include "worker/worker.h"
 
 namespace ember::test {
@@ -821,6 +823,88 @@ TEST(BadRequestsInPlace, UnusablePlacementGetsTheDataInstead) {
     EXPECT_NE(log.find(shm ? "outside the mapped region" : "only shm does"), std::string::npos)
         << log;
   }
+}
+
+// A worker that sends requests but reads none of the replies: its send queue
+// fills (max_queued_bytes), and a shard thread waiting for room served nobody
+// else; the server waited 30 s per reply, for every reply, while the peer kept
+// the connection alive (helper-82). Now the wait is heartbeat_timeout (2 s
+// here), after which the connection is closed, logged once with the peer.
+TEST(SlowReceiver, AWorkerThatReadsNoRepliesIsClosedAndTheOthersAreServed) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.consistency = "asp";
+  ServerProcess server(dir, spec, 0,
+                       {"--set", "communication.max_message_size=4MB", "--set",
+                        "communication.max_queued_bytes=4MB"});
+  ASSERT_TRUE(server.ok());
+  auto good = Worker::create(worker_config(spec, {server.address()}, 0));
+  ASSERT_TRUE(good) << good.error().to_string();
+  const std::uint64_t shape[] = {4};
+  ASSERT_TRUE((*good)->init(1, shape, std::vector<float>{1, 2, 3, 4}).wait());
+
+  transport::testing::RawTcpPeer peer;
+  ASSERT_TRUE(peer.connect(server.address()));
+  const int small = 4096;
+  ::setsockopt(peer.fd(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+  transport::handshake::Hello hello;
+  hello.rank = 1;
+  hello.session_id = 0x5107;
+  auto reply = peer.handshake(hello);
+  ASSERT_TRUE(reply && reply->status == ErrorCode::kOk);
+  // One frame per pull of an unknown key; each is answered with an error
+  // reply of a few hundred bytes, so 60,000 of them are far more than the
+  // socket buffers and the 4 MiB queue hold.
+  auto frame_of = [](std::uint64_t request_id) {
+    Header h = keyed(MsgType::kPull, 999, 4);
+    h.worker_rank = 1;
+    h.request_id = request_id;
+    const auto message = proto::encode_message(h, {}, {});
+    std::array<std::byte, wire::kSinglePrefixBytes> prefix;
+    auto f = wire::encode_single(prefix, message);
+    EXPECT_TRUE(f);
+    std::vector<std::byte> out(f->prefix.begin(), f->prefix.end());
+    out.insert(out.end(), message.begin(), message.end());
+    out.insert(out.end(), f->padding.begin(), f->padding.end());
+    return out;
+  };
+  std::vector<std::byte> flood;
+  std::uint64_t id = 0;
+  for (int i = 0; i < 60000; ++i) {
+    const auto f = frame_of(++id);
+    flood.insert(flood.end(), f.begin(), f.end());
+  }
+  ASSERT_TRUE(peer.send(flood));
+  // The peer stays alive (a request every 200 ms, so heartbeat_timeout never
+  // declares it silent) until the server closes it.
+  std::atomic<bool> stop{false};
+  std::thread trickle([&] {
+    while (!stop.load() && peer.send(frame_of(++id))) std::this_thread::sleep_for(200ms);
+  });
+  struct Join {
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~Join() {
+      stop.store(true);
+      t.join();
+    }
+  } join{stop, trickle};
+  // The well-behaved worker is served on the same shard within a few
+  // heartbeat_timeouts (not after 30 s per queued reply).
+  const auto began = std::chrono::steady_clock::now();
+  std::vector<float> p(4);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE((*good)->push(1, std::vector<float>{0, 0, 0, 0}).wait());
+    auto r = (*good)->pull(1, p).wait();
+    ASSERT_TRUE(r) << r.error().to_string();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - began, 15s);
+  const std::string log = server.log();
+  const auto at = log.find("reads none of its replies");
+  EXPECT_NE(at, std::string::npos) << log;
+  EXPECT_NE(log.find("heartbeat_timeout); closing its connection"), std::string::npos) << log;
+  EXPECT_EQ(log.find("reads none of its replies", at + 1), std::string::npos) << "logged twice:\n" << log;
 }
 
 TEST(BadRequestsBsp, PushForAClosedRoundIsStale) {
