@@ -36,6 +36,17 @@ void BarrierCore::on_barrier(const Request& request, TimePoint /*now*/, ReplySin
     sink.error(request.to, request.header, superseded(rank));
     return;
   }
+  if (number >= proto::kLargestStep) {
+    // Kept, it would be the rank's newest answered number: every later join
+    // of the rank would get number + 1 (refused by the worker as beyond any
+    // run), and at 2^64 - 1 the next number wrapped to 0.
+    sink.error(request.to, request.header,
+               Error(ErrorCode::kInvalidArgument,
+                     fmt::format("barrier number {} of worker {}: barrier numbers stay below {}; "
+                                 "the worker's barrier counter is corrupt",
+                                 number, rank, proto::kLargestStep)));
+    return;
+  }
   const auto& answered = answered_[rank];
   if (!answered.empty() && number <= answered.back().number) {
     // Answered already; the answer went with the connection it was sent on.

@@ -1168,6 +1168,31 @@ TEST(BarrierCore, ReleasesEveryoneWhenAllArrive) {
   EXPECT_EQ(b.generation(), 1u);
 }
 
+// A barrier number at or above proto::kLargestStep is refused and leaves no
+// trace: the rank's next join still gives 0, and its barriers still work
+// (helper-82: 2^60 was kept as the newest answered number, and every later
+// join was refused by the worker; 2^64 - 1 wrapped the next number to 0).
+TEST(BarrierCore, ANumberBeyondAnyRunIsRefusedAndForgotten) {
+  for (const std::uint64_t bad : {proto::kLargestStep, std::uint64_t{1} << 60, ~std::uint64_t{0}}) {
+    BarrierCore b(1, proto::LossPolicy::kWait, std::chrono::seconds(1));
+    RecordingSink sink;
+    EXPECT_EQ(b.on_join(0, 100, sink), 0u);
+    b.on_barrier(req(MsgType::kBarrier, 0, 0, bad, 0, 100), kT0, sink);
+    ASSERT_EQ(sink.sent.size(), 1u);
+    ASSERT_TRUE(sink.sent[0].is_error);
+    EXPECT_EQ(sink.sent[0].error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(sink.sent[0].error.message().find("barrier numbers stay below"), std::string::npos)
+        << sink.sent[0].error.message();
+    EXPECT_EQ(b.num_waiting(), 0u);
+    EXPECT_EQ(b.on_join(0, 101, sink), 0u) << bad;
+    sink.sent.clear();
+    b.on_barrier(req(MsgType::kBarrier, 0, 0, 0, 0, 101), kT0, sink);
+    ASSERT_EQ(sink.sent.size(), 1u);
+    EXPECT_FALSE(sink.sent[0].is_error);
+    EXPECT_EQ(b.generation(), 1u);
+  }
+}
+
 // A barrier answered on a connection that then closed is re-sent by the
 // worker with the same number: answered again with its generation, not
 // counted in the next one (which would release the others one barrier early
