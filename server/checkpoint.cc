@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <limits>
 
 #include <fmt/format.h>
@@ -512,7 +513,21 @@ std::string read_whole_file(const std::filesystem::path& path, std::vector<std::
   if (::fstat(fd, &st) != 0) {
     reason = Error(ErrorCode::kIo, "fstat failed", errno).to_string();
   } else {
-    image.resize(static_cast<std::size_t>(st.st_size));
+    // The magic first: a foreign file is refused without being read (or
+    // allocated: a sparse 1 TiB file ended start-up with a bare bad_alloc).
+    char magic[sizeof kFileMagic] = {};
+    const ssize_t head = ::pread(fd, magic, sizeof magic, 0);
+    if (head == static_cast<ssize_t>(sizeof magic) &&
+        std::memcmp(magic, kFileMagic, sizeof magic) != 0) {
+      ::close(fd);
+      return "not an Ember checkpoint (bad magic)";
+    }
+    try {
+      image.resize(static_cast<std::size_t>(st.st_size));
+    } catch (const std::bad_alloc&) {
+      ::close(fd);
+      return fmt::format("its {} bytes do not fit in this process's memory", st.st_size);
+    }
     std::size_t got = 0;
     while (got < image.size()) {
       const ssize_t n = ::read(fd, image.data() + got, image.size() - got);

@@ -233,6 +233,30 @@ TEST(Checkpoint, LoadSkipsTruncatedNewestAndUsesPrevious) {
   std::filesystem::remove_all(dir);
 }
 
+// A file under a checkpoint name that is not one is refused by its magic
+// before it is read: a sparse 1 TiB file of zeros made start-up end with a
+// bare std::bad_alloc (helper-82), naming no file, with valid checkpoints
+// beside it.
+TEST(Checkpoint, AHugeForeignFileIsRefusedByItsMagicWithoutBeingRead) {
+  const auto dir = temp_dir("huge-foreign");
+  ASSERT_TRUE(write_checkpoint(dir, sample(1), 5));
+  const auto huge = dir / checkpoint_file_name(2, 9);
+  { std::ofstream(huge).put('\0'); }
+  std::error_code ec;
+  std::filesystem::resize_file(huge, std::uintmax_t{1} << 40, ec);
+  if (ec) GTEST_SKIP() << "no sparse 1 TiB file here: " << ec.message();
+  auto loaded = load_newest_checkpoint(dir, 2);
+  ASSERT_TRUE(loaded) << loaded.error().to_string();
+  ASSERT_TRUE(loaded->data);
+  EXPECT_EQ(loaded->data->sequence, 1u);
+  ASSERT_EQ(loaded->refused.size(), 1u);
+  EXPECT_NE(loaded->refused[0].find("not an Ember checkpoint (bad magic)"), std::string::npos)
+      << loaded->refused[0];
+  ASSERT_EQ(loaded->moved_aside.size(), 1u);
+  EXPECT_EQ(loaded->moved_aside[0].filename().string(), checkpoint_file_name(2, 9) + ".corrupt");
+  std::filesystem::remove_all(dir);
+}
+
 // A file with valid checksums whose entry contradicts itself (a chunk
 // outside its tensor: what a hand-edited or buggy writer could produce) is
 // corrupt like a damaged one: refused with the entry named, and set aside by
