@@ -997,7 +997,12 @@ void Server::Impl::on_closed(transport::Connection& conn, const Error& reason) {
   }
   conns_cv.notify_all();
   if (reason.code() == ErrorCode::kChecksumMismatch) checksum_failures->inc();
-  if (reason.code() == ErrorCode::kMalformedFrame) bad_messages->inc();
+  // A frame the decoder refused (bad fields, another wire version, over
+  // max_message_size): the transport closed the connection for it.
+  if (reason.code() == ErrorCode::kMalformedFrame || reason.code() == ErrorCode::kVersionMismatch ||
+      reason.code() == ErrorCode::kTooLarge) {
+    bad_messages->inc();
+  }
   if (state->close_explained.load()) {
     // This server closed it for a cause logged already (bad input,
     // shutdown): however the transport saw the end (no goodbye, a reset),

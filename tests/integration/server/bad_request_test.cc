@@ -312,6 +312,42 @@ TEST_F(BadRequests, MalformedMessageClosesOnlyThatConnection) {
   EXPECT_EQ(server->log().find(") lost: "), std::string::npos) << server->log();
 }
 
+// Frames the decoder refuses close their connection and count as bad
+// messages, whatever the field: a bad magic, another wire version, or
+// frame_bytes over the limit (the last two were not counted, helper-82).
+TEST_F(BadRequests, EveryRefusedFrameIsCountedAsABadMessage) {
+  auto refused_frame = [&](std::uint32_t magic, std::uint8_t version, std::uint32_t frame_bytes) {
+    transport::testing::RawTcpPeer peer;
+    ASSERT_TRUE(peer.connect(server->address()));
+    transport::handshake::Hello hello;
+    hello.rank = 1;
+    hello.session_id = 0xF00D + frame_bytes;
+    auto reply = peer.handshake(hello);
+    ASSERT_TRUE(reply && reply->status == ErrorCode::kOk);
+    wire::FrameHeaderWire h{};
+    h.magic = magic;
+    h.version = version;
+    h.kind = static_cast<std::uint8_t>(wire::FrameKind::kSingle);
+    h.item_count = 1;
+    h.frame_bytes = frame_bytes;
+    std::vector<std::byte> bytes(64);
+    std::memcpy(bytes.data(), &h, sizeof h);
+    ASSERT_TRUE(peer.send(bytes));
+    EXPECT_TRUE(peer.wait_eof());
+  };
+  refused_frame(0x12345678u, wire::kVersion, 64);
+  refused_frame(wire::kMagic, 99, 64);
+  refused_frame(wire::kMagic, wire::kVersion, 0xFFFFFFF8u);
+  std::string metrics;
+  const auto counted = [&] {
+    metrics = http_get(server->metrics_address(), "/metrics");
+    return metrics.find("\nember_server_bad_messages_total 3\n") != std::string::npos;
+  };
+  for (int i = 0; i < 200 && !counted(); ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(counted()) << metrics;
+  expect_good_worker_served();
+}
+
 TEST_F(BadRequests, RankThatDisagreesWithHandshakeClosesConnection) {
   RawClient c(server->address(), 1);
   Header h = keyed(MsgType::kPull, 1, 4);
