@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <thread>
 #include <vector>
@@ -39,6 +40,22 @@ constexpr std::chrono::seconds kSessionTimeout{10};
 // A scrape's request is a few hundred bytes; POST /checkpoint has no body.
 constexpr std::uint32_t kMaxRequestHeaderBytes = 16 * 1024;
 constexpr std::uint64_t kMaxRequestBodyBytes = 4 * 1024;
+
+// The credentials of an Authorization header of the Bearer scheme (RFC 6750
+// section 2.1), or nullopt for another scheme. The scheme is matched without
+// regard to case and may be followed by several spaces (RFC 7235 section 2.1).
+std::optional<std::string_view> bearer_token(std::string_view header) {
+  constexpr std::string_view kScheme = "bearer";
+  if (header.size() <= kScheme.size() || header[kScheme.size()] != ' ') return std::nullopt;
+  for (std::size_t i = 0; i < kScheme.size(); ++i) {
+    const char c = header[i];
+    if ((c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c) != kScheme[i]) return std::nullopt;
+  }
+  header.remove_prefix(kScheme.size());
+  while (!header.empty() && header.front() == ' ') header.remove_prefix(1);
+  return header;
+}
+
 // Checkpoint requests queued or running at once; more get 503.
 constexpr std::size_t kMaxCheckpointRequests = 4;
 
@@ -212,7 +229,8 @@ class Session : public std::enable_shared_from_this<Session> {
       if (!impl_.auth_token.empty()) {
         const auto header = request[http::field::authorization];
         const std::string_view given(header.data(), header.size());
-        if (!given.starts_with("Bearer ") || !transport::handshake::tokens_equal(given.substr(7), impl_.auth_token)) {
+        const auto token = bearer_token(given);
+        if (!token || !transport::handshake::tokens_equal(*token, impl_.auth_token)) {
           response_.set(http::field::www_authenticate, "Bearer");
           reply(http::status::unauthorized,
                 "POST /checkpoint needs the job's [communication] auth_token as 'Authorization: "

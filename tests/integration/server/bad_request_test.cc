@@ -1522,6 +1522,14 @@ TEST(ServerMetrics, CheckpointOverHttpNeedsTheJobsToken) {
   const std::string right = http_request(m, "POST", "/checkpoint", "Authorization: Bearer s3cret\r\n");
   EXPECT_NE(right.find("200 OK"), std::string::npos) << right;
   EXPECT_NE(right.find("sequence "), std::string::npos) << right;
+  // The scheme's case does not matter, nor extra spaces (RFC 7235 2.1); the
+  // token's does, and another scheme is refused.
+  const std::string lower = http_request(m, "POST", "/checkpoint", "Authorization: bearer  s3cret\r\n");
+  EXPECT_NE(lower.find("200 OK"), std::string::npos) << lower;
+  const std::string upper_token = http_request(m, "POST", "/checkpoint", "Authorization: Bearer S3CRET\r\n");
+  EXPECT_NE(upper_token.find("401"), std::string::npos) << upper_token;
+  const std::string basic = http_request(m, "POST", "/checkpoint", "Authorization: Basic s3cret\r\n");
+  EXPECT_NE(basic.find("401"), std::string::npos) << basic;
   // Scrapes need no token.
   EXPECT_NE(http_get(m, "/metrics").find("200 OK"), std::string::npos);
 }
