@@ -1778,6 +1778,12 @@ Status check_checkpoint_dir(const config::Config& config) {
   if (Status st = probe_writable(at); !st) {
     return refuse(st.error().message() + st.error().cause());
   }
+  if (at == target) {
+    // A live server of this index holding it would refuse the start: taken
+    // and given back at once (the message names its pid and what to do).
+    auto lock = lock_checkpoint_dir(target, config.server.server_index);
+    if (!lock && lock.error().code() == ErrorCode::kUnavailable) return tl::unexpected(lock.error());
+  }
   return ok_status();
 }
 

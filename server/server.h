@@ -128,8 +128,11 @@ std::array<double, 7> optimizer_numbers(const config::OptimizerConfig& o);
 // set), without creating it: an existing path must be a directory this
 // process can create files in; a missing one needs its nearest existing
 // parent to be such a directory (the start creates it). Tries by creating
-// and removing a probe file ".ember-write-probe-<pid>". Errors: kConfig
-// naming the key, the path and why (errno text).
+// and removing a probe file ".ember-write-probe-<pid>". An existing
+// directory's lock for this server_index (lock_checkpoint_dir) is taken and
+// given back at once, creating its lock file when missing. Errors: kConfig
+// naming the key, the path and why (errno text); kUnavailable when another
+// live ember-server of this server_index holds the directory (its pid named).
 Status check_checkpoint_dir(const config::Config& config);
 
 // What `ember-server --check-config` checks of communication.record_path

@@ -503,6 +503,17 @@ TEST(ServerRecovery, ASecondLiveServerOnTheSameCheckpointDirIsRefused) {
       << log;
   EXPECT_EQ(log.find("restored checkpoint"), std::string::npos) << log;
   EXPECT_EQ(listing(), before);
+  // --check-config of that config says so too (it called the directory
+  // usable, helper-82), and changes nothing there.
+  const auto check_log = dir / "second-job-check.log";
+  Process check(server_binary(), {"--config", config.string(), "--check-config"}, check_log);
+  const auto checked = check.wait_exit(20s);
+  ASSERT_TRUE(checked);
+  EXPECT_TRUE(WIFEXITED(*checked) && WEXITSTATUS(*checked) == 1);
+  EXPECT_NE(read_file(check_log).find("is in use by another ember-server with server_index 0"),
+            std::string::npos)
+      << read_file(check_log);
+  EXPECT_EQ(listing(), before);
   std::vector<float> got(64);
   ASSERT_TRUE(w->pull(5, got).wait());
   EXPECT_EQ(got, initial());
