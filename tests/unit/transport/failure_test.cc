@@ -5,8 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <sstream>
 #include <thread>
 
+#include <spdlog/sinks/ostream_sink.h>
+
+#include "common/base/logging.h"
 #include "common/transport/control.h"
 #include "common/transport/transport.h"
 #include "common/wire/batch_encoder.h"
@@ -136,6 +140,53 @@ TEST_P(TokenTest, ChannelCountMismatchIsRefused) {
 
 INSTANTIATE_TEST_SUITE_P(All, TokenTest, ::testing::Values(Kind::kTcp, Kind::kShm),
                          [](const auto& p) { return std::string(kind_name(p.param)); });
+
+// Peers that connect and send no hello are bounded: past 256 handshakes in
+// progress the oldest is dropped, so idle connections cannot hold every
+// descriptor until connect_timeout and lock workers out; and a storm of
+// refusals is logged as 20 lines and a count, not a line each (helper-82).
+TEST(TcpListen, IdleHandshakesAreBoundedAndRefusalsAreNotLoggedOneByOne) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+  auto tcp_logger = log::logger("tcp");
+  tcp_logger->sinks().push_back(sink);
+  struct Unsink {
+    std::shared_ptr<spdlog::logger> l;
+    std::shared_ptr<spdlog::sinks::sink> s;
+    ~Unsink() { std::erase(l->sinks(), s); }
+  } unsink{tcp_logger, sink};
+  Inbox in;  // before the transports: on_closed may run into it until they are gone
+  Server server(tcp_options());
+  constexpr int kIdle = 300;
+  std::vector<std::unique_ptr<RawTcpPeer>> idle;
+  for (int i = 0; i < kIdle; ++i) {
+    idle.push_back(std::make_unique<RawTcpPeer>());
+    ASSERT_TRUE(idle.back()->connect(server.listener->address()));
+  }
+  // The oldest 44 were dropped to make room.
+  EXPECT_TRUE(wait_refused(*server.listener, kIdle - 256));
+  EXPECT_TRUE(idle.front()->wait_eof());
+  // A worker still gets in.
+  auto client = Transport::create(tcp_options());
+  ASSERT_TRUE(client);
+  auto conn = (*client)->connect(server.listener->address(), {Role::kWorker, 1}, in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  EXPECT_TRUE(server.inbox.wait_accepted(1));
+  const std::string text = out.str();
+  std::size_t lines = 0;
+  for (std::size_t at = text.find(": refused "); at != std::string::npos;
+       at = text.find(": refused ", at + 1)) {
+    ++lines;
+  }
+  EXPECT_EQ(lines, 20u) << text;
+  EXPECT_NE(text.find("dropped to make room for a new connection: 256 handshakes were in progress"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("20 refused connections within 10 s; the others until then are counted, not "
+                      "logged"),
+            std::string::npos)
+      << text;
+}
 
 TEST(TcpListen, NonLoopbackAddressNeedsAToken) {
   Inbox in;  // before the transports: on_closed may run into it until they are gone
