@@ -39,6 +39,7 @@
 #include "common/memory/mapped_region.h"
 #include "common/memory/stream_copy.h"
 #include "common/transport/accept_pacer.h"
+#include "common/transport/refusal_log.h"
 #include "common/transport/connection_core.h"
 #include "common/transport/flow_control.h"
 #include "common/transport/handshake.h"
@@ -1946,6 +1947,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
     }
     address_ = address;
     accept_pacer_.emplace(shm_log(), "listener " + address_);
+    refusal_log_.emplace(shm_log(), "shm listener " + address_);
     acceptor_ = std::make_unique<Descriptor>(ctx_, fd);
     core_->io_object_added();
     return ok_status();
@@ -1984,6 +1986,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       if (!address_.empty() && address_[0] != '@') ::unlink(address_.c_str());
     }
     if (accept_pacer_) accept_pacer_->cancel();
+    if (refusal_log_) refusal_log_->cancel();
     auto pending = pending_;
     for (auto& p : pending) drop(p);
   }
@@ -2021,6 +2024,15 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   }
 
   void begin(int fd) {
+    if (pending_.size() >= kMaxPendingHandshakes) {
+      refuse(pending_.front(),
+             Error(ErrorCode::kUnavailable,
+                   fmt::format("dropped to make room for a new connection: {} handshakes were in "
+                               "progress, the most a listener holds (a peer that connects and "
+                               "sends no hello holds one for connect_timeout)",
+                               kMaxPendingHandshakes)),
+             false);
+    }
     auto p = std::make_shared<Pending>();
     p->sock = std::make_unique<Descriptor>(ctx_, fd);
     p->timer = std::make_unique<asio::steady_timer>(ctx_);
@@ -2151,7 +2163,9 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   void refuse(const std::shared_ptr<Pending>& p, const Error& why, bool reply) {
     if (p->done) return;
     refused_.fetch_add(1);
-    shm_log()->warn("shm listener {}: refused a peer: {}", address_, why.to_string());
+    if (refusal_log_) {
+      refusal_log_->log(ctx_, spdlog::level::warn, fmt::format("refused a peer: {}", why.to_string()));
+    }
     if (reply && p->sock) {
       handshake::Reply r;
       r.status = why.code();
@@ -2192,6 +2206,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   std::atomic<std::uint64_t> refused_{0};
   bool closed_ = false;
   std::optional<AcceptPacer> accept_pacer_;  // set by open(); then I/O thread only
+  std::optional<RefusalLog> refusal_log_;    // likewise
 };
 
 // ---------------------------------------------------------------------------

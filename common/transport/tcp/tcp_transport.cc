@@ -46,6 +46,7 @@
 #include "common/base/logging.h"
 #include "common/base/units.h"
 #include "common/transport/accept_pacer.h"
+#include "common/transport/refusal_log.h"
 #include "common/transport/connection_core.h"
 #include "common/transport/control.h"
 #include "common/transport/flow_control.h"
@@ -76,16 +77,6 @@ constexpr int kReadsPerEvent = 16;
 constexpr std::size_t kReceiveBufferBytes = std::size_t{256} << 10;
 // Smallest payload sent with sendfile when zero_copy = sendfile.
 constexpr std::size_t kSendfileMinBytes = std::size_t{256} << 10;
-// Handshakes a listener holds in progress at most. A peer that connects and
-// sends no hello holds a descriptor for connect_timeout; past this many, the
-// oldest is dropped to make room (a worker's hello follows its connect within
-// a round trip, so the oldest is the likeliest to be idle). The metrics
-// endpoint bounds its connections the same way (kMaxSessions there).
-constexpr std::size_t kMaxPendingHandshakes = 256;
-// Refused connections a listener logs per window at most; the rest of a
-// window are counted and summed up in one line at its end.
-constexpr std::size_t kRefusalLinesPerWindow = 20;
-constexpr std::chrono::seconds kRefusalLogWindow{10};
 
 std::shared_ptr<spdlog::logger> tcp_log() {
   static std::shared_ptr<spdlog::logger> l = log::logger("tcp");
@@ -1120,6 +1111,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
     }
     address_ = endpoint_to_string(acceptor_->local_endpoint());
     accept_pacer_.emplace(tcp_log(), "listener " + address_);
+    refusal_log_.emplace(tcp_log(), "listener " + address_);
     core_->io_object_added();
     return ok_status();
   }
@@ -1164,8 +1156,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       core_->io_object_removed();
     }
     if (accept_pacer_) accept_pacer_->cancel();
-    if (refusal_timer_) refusal_timer_->cancel();
-    refusal_timer_.reset();
+    if (refusal_log_) refusal_log_->cancel();
     for (auto& p : pending_) {
       if (p->timer) p->timer->cancel();
       p->timer.reset();
@@ -1295,9 +1286,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       auto ep = p->socket->remote_endpoint(ec);
       if (!ec) peer = endpoint_to_string(ep);
     }
-    if (may_log_refusal()) {
-      tcp_log()->log(level, "listener {}: refused {}: {}", address_, peer, why.to_string());
-    }
+    if (refusal_log_) refusal_log_->log(ctx_, level, fmt::format("refused {}: {}", peer, why.to_string()));
     if (reply && p->socket) {
       handshake::Reply r;
       r.status = why.code();
@@ -1311,37 +1300,6 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
       ::shutdown(p->socket->native_handle(), SHUT_WR);
     }
     drop(p);
-  }
-
-  // Whether the refusal at hand may be logged: kRefusalLinesPerWindow per
-  // window. The first one over starts the count of unlogged ones, which a
-  // timer logs at the window's end. I/O thread.
-  bool may_log_refusal() {
-    const auto now = Clock::now();
-    if (!refusal_timer_ && now - refusal_window_start_ >= kRefusalLogWindow) {
-      refusal_window_start_ = now;
-      refusals_logged_ = 0;
-    }
-    if (refusals_logged_ < kRefusalLinesPerWindow) {
-      ++refusals_logged_;
-      return true;
-    }
-    if (refusals_unlogged_++ == 0) {
-      tcp_log()->warn("listener {}: {} refused connections within {} s; the others until then are "
-                      "counted, not logged",
-                      address_, kRefusalLinesPerWindow, kRefusalLogWindow.count());
-      refusal_timer_ = std::make_unique<asio::steady_timer>(ctx_);
-      refusal_timer_->expires_at(refusal_window_start_ + kRefusalLogWindow);
-      auto self = shared_from_this();
-      refusal_timer_->async_wait([self](const boost::system::error_code& ec) {
-        if (ec || self->closed_) return;
-        tcp_log()->warn("listener {}: {} more connection(s) refused in those {} s, not logged",
-                        self->address_, self->refusals_unlogged_, kRefusalLogWindow.count());
-        self->refusals_unlogged_ = 0;
-        self->refusal_timer_.reset();
-      });
-    }
-    return false;
   }
 
   void drop(const std::shared_ptr<Pending>& p) {
@@ -1447,14 +1405,9 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
   std::vector<std::shared_ptr<Pending>> pending_;
   std::map<std::uint64_t, Session> sessions_;
   std::atomic<std::uint64_t> refused_{0};
-  // may_log_refusal's window: its start, lines logged in it, refusals not
-  // logged, and the timer that reports those at the window's end.
-  Clock::time_point refusal_window_start_{};
-  std::size_t refusals_logged_ = 0;
-  std::uint64_t refusals_unlogged_ = 0;
-  std::unique_ptr<asio::steady_timer> refusal_timer_;
   bool closed_ = false;
   std::optional<AcceptPacer> accept_pacer_;  // set by open(); then I/O thread only
+  std::optional<RefusalLog> refusal_log_;    // likewise
 };
 
 // ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // Unit tests of the transport's pure parts: the handshake codec, option
 // validation, Buffer ownership, flow control, the pool adapter and the
 // mapping from the [communication] config table.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <pthread.h>
@@ -19,6 +20,7 @@
 #include "common/config/config.h"
 #include "common/memory/page_pool.h"
 #include "common/transport/accept_pacer.h"
+#include "common/transport/refusal_log.h"
 #include "common/transport/control.h"
 #include "common/transport/flow_control.h"
 #include "common/transport/handshake.h"
@@ -474,6 +476,43 @@ TEST(AcceptPacer, RetriesAfterThePauseAndLogsEachEpisodeOnce) {
   ctx.run();
   EXPECT_EQ(retries, 1);
   EXPECT_NE(out.str().find("(No buffer space available)"), std::string::npos) << out.str();
+}
+
+// A storm of refusals: kLinesPerWindow lines, one saying the rest are
+// counted, and their count when the window ends; the next window logs again.
+// cancel() (the listener closing) drops a pending count.
+TEST(RefusalLog, LogsTheFirstLinesOfAWindowThenTheCountOfTheRest) {
+  std::ostringstream out;
+  auto log = std::make_shared<spdlog::logger>(
+      "refusal-log-test", std::make_shared<spdlog::sinks::ostream_sink_st>(out));
+  log->set_level(spdlog::level::info);
+  log->set_pattern("%l %v");
+  boost::asio::io_context ctx;
+  RefusalLog refusals(log, "listener 127.0.0.1:7000", std::chrono::milliseconds(200));
+  const auto count = [&](const std::string& needle) {
+    const std::string text = out.str();
+    std::size_t n = 0;
+    for (auto at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+    return n;
+  };
+  for (int i = 0; i < 50; ++i) refusals.log(ctx, spdlog::level::warn, fmt::format("refused peer {}", i));
+  EXPECT_EQ(count("warning listener 127.0.0.1:7000: refused peer "), RefusalLog::kLinesPerWindow)
+      << out.str();
+  EXPECT_EQ(count("20 refused connections within 200 ms; the others until then are counted, not "
+                  "logged"),
+            1u)
+      << out.str();
+  ctx.run();  // the window's end
+  EXPECT_EQ(count("30 more connection(s) refused in those 200 ms, not logged"), 1u) << out.str();
+  refusals.log(ctx, spdlog::level::info, "refused peer 50");
+  EXPECT_EQ(count("info listener 127.0.0.1:7000: refused peer 50"), 1u) << out.str();
+
+  RefusalLog closing(log, "listener 127.0.0.1:7001", std::chrono::milliseconds(50));
+  for (int i = 0; i < 25; ++i) closing.log(ctx, spdlog::level::warn, "refused");
+  closing.cancel();
+  ctx.restart();
+  ctx.run();
+  EXPECT_EQ(count("listener 127.0.0.1:7001: 5 more"), 0u) << out.str();
 }
 
 // Before any accept failed, succeeded() logs nothing.

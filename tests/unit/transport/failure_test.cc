@@ -2,9 +2,14 @@
 // reset mid-frame, trickle bytes, fall silent or send garbage frames, slow
 // receivers, and many connections at once. tcp peers are driven by hand
 // (raw_peer.h) where the failure needs byte-level control.
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <thread>
 
@@ -12,6 +17,7 @@
 
 #include "common/base/logging.h"
 #include "common/transport/control.h"
+#include "common/transport/shm/uds.h"
 #include "common/transport/transport.h"
 #include "common/wire/batch_encoder.h"
 #include "common/wire/frame_decoder.h"
@@ -156,7 +162,9 @@ TEST(TcpListen, IdleHandshakesAreBoundedAndRefusalsAreNotLoggedOneByOne) {
     ~Unsink() { std::erase(l->sinks(), s); }
   } unsink{tcp_logger, sink};
   Inbox in;  // before the transports: on_closed may run into it until they are gone
-  Server server(tcp_options());
+  Options o = tcp_options();
+  o.connect_timeout = 60s;  // no idle peer is refused for its timeout within the test
+  Server server(o);
   constexpr int kIdle = 300;
   std::vector<std::unique_ptr<RawTcpPeer>> idle;
   for (int i = 0; i < kIdle; ++i) {
@@ -182,10 +190,47 @@ TEST(TcpListen, IdleHandshakesAreBoundedAndRefusalsAreNotLoggedOneByOne) {
   EXPECT_NE(text.find("dropped to make room for a new connection: 256 handshakes were in progress"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("20 refused connections within 10 s; the others until then are counted, not "
-                      "logged"),
+  EXPECT_NE(text.find("20 refused connections within 10000 ms; the others until then are counted, "
+                      "not logged"),
             std::string::npos)
       << text;
+}
+
+// The shm listener bounds its handshakes alike (only same-user peers get in,
+// but a stuck one should not lock the others out either).
+TEST(ShmListen, IdleHandshakesAreBounded) {
+  Options o = tcp_options();
+  o.kind = Kind::kShm;
+  o.connect_timeout = 60s;  // no idle peer is refused for its timeout within the test
+  Server server(o, shm_address("idle"));
+  auto addr = shm::make_address(server.listener->address());
+  ASSERT_TRUE(addr) << addr.error().to_string();
+  std::vector<int> idle;
+  struct Closer {
+    std::vector<int>& fds;
+    ~Closer() {
+      for (int fd : fds) ::close(fd);
+    }
+  } closer{idle};
+  for (int i = 0; i < 300; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr->first), addr->second), 0)
+        << "connection " << i << ": " << std::strerror(errno);
+  }
+  EXPECT_TRUE(wait_refused(*server.listener, 300 - 256));
+  // The oldest was closed by the listener.
+  pollfd p{idle.front(), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 10000), 1);
+  char byte;
+  EXPECT_LE(::recv(idle.front(), &byte, 1, 0), 0);
+  Inbox in;
+  auto client = Transport::create(o);
+  ASSERT_TRUE(client);
+  auto conn = (*client)->connect(server.listener->address(), {Role::kWorker, 1}, in.handlers());
+  ASSERT_TRUE(conn) << conn.error().to_string();
+  EXPECT_TRUE(server.inbox.wait_accepted(1));
 }
 
 TEST(TcpListen, NonLoopbackAddressNeedsAToken) {
