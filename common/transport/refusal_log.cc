@@ -45,7 +45,9 @@ void RefusalLog::log(boost::asio::io_context& ctx, spdlog::level::level_enum lev
     c.log->log(level, "{}: {}", c.what, line);
     return;
   }
-  if (c.unlogged++ > 0) return;
+  // After cancel() (the listener closing) nothing is armed: a pending timer
+  // would hold the io_context's work, and the Transport's shutdown, open.
+  if (cancelled_ || c.unlogged++ > 0) return;
   c.log->warn("{}: {} refused connections within {} ms; the others until then are counted, not "
               "logged",
               c.what, kLinesPerWindow, to_ms(c.window));
@@ -61,6 +63,7 @@ void RefusalLog::log(boost::asio::io_context& ctx, spdlog::level::level_enum lev
 }
 
 void RefusalLog::cancel() {
+  cancelled_ = true;
   if (timer_) timer_->cancel();
   timer_.reset();
   counts_->unlogged = 0;

@@ -58,13 +58,15 @@ class RefusalLog {
   // and a timer on `ctx` logs the count when the window ends).
   void log(boost::asio::io_context& ctx, spdlog::level::level_enum level, std::string_view line);
 
-  // Drops a pending count (it is not logged); for the listener's close.
+  // Drops a pending count (it is not logged), and arms no timer after it;
+  // for the listener's close.
   void cancel();
 
  private:
   struct Counts;  // shared with the timer's handler
   std::shared_ptr<Counts> counts_;
   std::unique_ptr<boost::asio::steady_timer> timer_;
+  bool cancelled_ = false;
 };
 
 }  // namespace ember::transport

@@ -510,9 +510,12 @@ TEST(RefusalLog, LogsTheFirstLinesOfAWindowThenTheCountOfTheRest) {
   RefusalLog closing(log, "listener 127.0.0.1:7001", std::chrono::milliseconds(50));
   for (int i = 0; i < 25; ++i) closing.log(ctx, spdlog::level::warn, "refused");
   closing.cancel();
+  // A refusal after the close (a handshake timer that had fired) arms nothing.
+  closing.log(ctx, spdlog::level::warn, "refused");
   ctx.restart();
   ctx.run();
   EXPECT_EQ(count("listener 127.0.0.1:7001: 5 more"), 0u) << out.str();
+  EXPECT_EQ(count("listener 127.0.0.1:7001: 1 more"), 0u) << out.str();
 }
 
 // Before any accept failed, succeeded() logs nothing.
