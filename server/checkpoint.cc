@@ -504,45 +504,47 @@ Result<std::vector<std::pair<std::uint64_t, std::filesystem::path>>> list_checkp
 
 namespace {
 
-// Reads the whole file; "" and the image, or the reason it could not be read.
-std::string read_whole_file(const std::filesystem::path& path, std::vector<std::byte>& image) {
+// Reads the whole file into `image`. Returns "" when read, or the reason the
+// file is not a checkpoint (a foreign file: refused without being read or
+// allocated; a sparse 1 TiB file ended start-up with a bare bad_alloc).
+// Errors (the file may well be a good checkpoint, so it must be neither
+// refused nor moved aside): kIo when it cannot be opened or read, or when its
+// size does not fit in this process's memory.
+Result<std::string> read_whole_file(const std::filesystem::path& path, std::vector<std::byte>& image) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Error(ErrorCode::kIo, "open failed", errno).to_string();
-  std::string reason;
+  if (fd < 0) return make_sys_error(errno, "cannot open checkpoint '{}'", path.string());
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    reason = Error(ErrorCode::kIo, "fstat failed", errno).to_string();
-  } else {
-    // The magic first: a foreign file is refused without being read (or
-    // allocated: a sparse 1 TiB file ended start-up with a bare bad_alloc).
-    char magic[sizeof kFileMagic] = {};
-    const ssize_t head = ::pread(fd, magic, sizeof magic, 0);
-    if (head == static_cast<ssize_t>(sizeof magic) &&
-        std::memcmp(magic, kFileMagic, sizeof magic) != 0) {
-      ::close(fd);
-      return "not an Ember checkpoint (bad magic)";
-    }
-    try {
-      image.resize(static_cast<std::size_t>(st.st_size));
-    } catch (const std::bad_alloc&) {
-      ::close(fd);
-      return fmt::format("its {} bytes do not fit in this process's memory", st.st_size);
-    }
-    std::size_t got = 0;
-    while (got < image.size()) {
-      const ssize_t n = ::read(fd, image.data() + got, image.size() - got);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        reason = Error(ErrorCode::kIo, fmt::format("read failed at byte {}", got), errno).to_string();
-        break;
-      }
-      if (n == 0) break;  // shrank since fstat: parsed as truncated
-      got += static_cast<std::size_t>(n);
-    }
-    image.resize(got);
+  if (::fstat(fd, &st) != 0) return make_sys_error(errno, "cannot stat checkpoint '{}'", path.string());
+  char magic[sizeof kFileMagic] = {};
+  const ssize_t head = ::pread(fd, magic, sizeof magic, 0);
+  if (head == static_cast<ssize_t>(sizeof magic) && std::memcmp(magic, kFileMagic, sizeof magic) != 0) {
+    return std::string("not an Ember checkpoint (bad magic)");
   }
-  ::close(fd);
-  return reason;
+  try {
+    image.resize(static_cast<std::size_t>(st.st_size));
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIo,
+                      "checkpoint '{}' has {} bytes, more than this process can allocate: give the "
+                      "server more memory (or raise ulimit -v / LimitAS), or move the file out of "
+                      "the directory to start from an older checkpoint",
+                      path.string(), st.st_size);
+  }
+  std::size_t got = 0;
+  while (got < image.size()) {
+    const ssize_t n = ::read(fd, image.data() + got, image.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return make_sys_error(errno, "cannot read checkpoint '{}' at byte {}", path.string(), got);
+    }
+    if (n == 0) break;  // shrank since fstat: parsed as truncated
+    got += static_cast<std::size_t>(n);
+  }
+  image.resize(got);
+  return std::string();
 }
 
 // Renames `path` to "<path>.corrupt" or, when taken, "<path>.corrupt.<n>".
@@ -590,7 +592,12 @@ Result<LoadResult> load_newest_checkpoint(const std::filesystem::path& dir,
                            "no server wrote it",
                            seq, kMaxCheckpointSequence);
     } else {
-      reason = read_whole_file(path, image);
+      auto read = read_whole_file(path, image);
+      if (!read) {
+        log->error("cannot restore checkpoint '{}': {}", path.string(), read.error().to_string());
+        return tl::unexpected(read.error());
+      }
+      reason = std::move(*read);
     }
     if (reason.empty()) {
       auto parsed = parse_checkpoint(image);
@@ -656,9 +663,42 @@ CheckpointDirLock::~CheckpointDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the flock
 }
 
+namespace {
+
+std::filesystem::path lock_path(const std::filesystem::path& dir, std::uint32_t server_index) {
+  return dir / fmt::format(".ember-s{:03}.lock", server_index);
+}
+
+// kUnavailable: `dir`'s lock of `server_index` is held; `fd` is the lock
+// file, whose content names the holder's pid.
+Error dir_in_use(const std::filesystem::path& dir, std::uint32_t server_index, int fd) {
+  char buf[32] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  std::string owner(buf, n > 0 ? static_cast<std::size_t>(n) : 0);
+  while (!owner.empty() && (owner.back() == '\n' || owner.back() == ' ')) owner.pop_back();
+  return Error(ErrorCode::kUnavailable,
+               fmt::format("checkpoint_dir '{}' is in use by another ember-server with server_index "
+                           "{}{}: give each job its own checkpoint_dir, or stop that server first",
+                           dir.string(), server_index,
+                           owner.empty() ? std::string() : fmt::format(" (pid {})", owner)));
+}
+
+}  // namespace
+
+Status check_checkpoint_dir_free(const std::filesystem::path& dir, std::uint32_t server_index) {
+  const int fd = ::open(lock_path(dir, server_index).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ok_status();  // no lock file (or none readable): nobody to name
+  Status result = ok_status();
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) result = tl::unexpected(dir_in_use(dir, server_index, fd));
+  }  // else: taken, and given back by the close
+  ::close(fd);
+  return result;
+}
+
 Result<CheckpointDirLock> lock_checkpoint_dir(const std::filesystem::path& dir,
                                               std::uint32_t server_index) {
-  const std::filesystem::path path = dir / fmt::format(".ember-s{:03}.lock", server_index);
+  const std::filesystem::path path = lock_path(dir, server_index);
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return make_sys_error(errno, "cannot create the lock file '{}'", path.string());
   CheckpointDirLock lock(fd);
@@ -676,15 +716,7 @@ Result<CheckpointDirLock> lock_checkpoint_dir(const std::filesystem::path& dir,
     if (err != EWOULDBLOCK) {
       return make_sys_error(err, "cannot lock '{}'", path.string());
     }
-    char buf[32] = {};
-    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
-    std::string owner(buf, n > 0 ? static_cast<std::size_t>(n) : 0);
-    while (!owner.empty() && (owner.back() == '\n' || owner.back() == ' ')) owner.pop_back();
-    return make_error(ErrorCode::kUnavailable,
-                      "checkpoint_dir '{}' is in use by another ember-server with server_index {}{}: "
-                      "give each job its own checkpoint_dir, or stop that server first",
-                      dir.string(), server_index,
-                      owner.empty() ? std::string() : fmt::format(" (pid {})", owner));
+    return tl::unexpected(dir_in_use(dir, server_index, fd));
   }
   // The owner's pid, for the message above: informational (the flock
   // decides), so a full file system only leaves it out.

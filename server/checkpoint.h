@@ -147,13 +147,16 @@ enum class RefusedFiles {
 };
 
 // Tries this server's checkpoints newest first and returns the first that
-// parses; each refused file (unreadable, corrupt, truncated, or written by
+// parses; each refused file (foreign, corrupt, truncated, or written by
 // another server) is logged at error level once ("refusing checkpoint
 // <path>: <reason>; moved it to '<path>.corrupt', trying an older one" under
 // kMoveAside, "refusing checkpoint <path>: <reason>; trying an older one"
-// under kLeave). Errors: kIo when the directory cannot be listed, or when a
+// under kLeave). Errors: kIo when the directory cannot be listed, when a
 // refused file cannot be moved aside (naming it: it would otherwise count
-// toward the files pruning keeps and cost a valid checkpoint).
+// toward the files pruning keeps and cost a valid checkpoint), or when a file
+// cannot be opened or read, or is larger than this process can allocate: it
+// may be a good checkpoint, so it is left in place and the start fails,
+// naming it, rather than fall back to an older one.
 [[nodiscard]] Result<LoadResult> load_newest_checkpoint(
     const std::filesystem::path& dir, std::uint32_t server_index,
     RefusedFiles refused_files = RefusedFiles::kMoveAside);
@@ -201,6 +204,13 @@ class CheckpointDirLock {
 // the errno when it cannot be created or locked.
 [[nodiscard]] Result<CheckpointDirLock> lock_checkpoint_dir(const std::filesystem::path& dir,
                                                             std::uint32_t server_index);
+
+// Whether a live process holds `dir`'s lock of `server_index`, without
+// creating or writing anything: the lock file is opened read-only (none:
+// free) and flock'ed and unlocked at once. For --check-config. Errors:
+// kUnavailable with lock_checkpoint_dir's message (naming the holder's pid).
+[[nodiscard]] Status check_checkpoint_dir_free(const std::filesystem::path& dir,
+                                               std::uint32_t server_index);
 
 // Whether this process can create (and remove) a file in the existing
 // directory `dir`: creates and unlinks ".ember-write-probe-<pid>" (a

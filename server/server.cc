@@ -335,18 +335,34 @@ struct Server::Impl final : ReplySink {
   void send_raw(const ReplyTo& to, std::span<const std::byte> bytes);
   // The same, to the connection already looked up.
   void send_raw_to(ConnState& c, const ReplyTo& to, std::span<const std::byte> bytes);
-  // How long a shard (or checkpoint) thread waits for room in a worker's send
-  // queue (tcp, shm large) or ring (shm): heartbeat_timeout, the silence after
-  // which a peer counts as gone. Room that does not come that long means the
-  // worker reads none of its replies.
+  // How long one try of a shard (or checkpoint) thread waits for room in a
+  // worker's send queue (tcp, shm large) or ring (shm): heartbeat_timeout,
+  // the silence after which a peer counts as gone.
   std::chrono::nanoseconds reply_wait() const { return config.communication.heartbeat_timeout; }
-  // After a reply from a thread that may wait was not sent (`s`). kTimeout
-  // (reply_wait passed with the queue full): the worker stopped reading its
-  // replies, and every reply to it would hold this thread, and every worker
-  // its shard serves, as long again. Its connection is closed, logged once
-  // with the peer: the worker reconnects and re-sends what it had in flight
-  // (pushes are deduplicated), so nothing the server accepted is lost. Other
-  // errors (kClosed: the worker went) are logged at debug level.
+  // Runs `attempt` (a send that waits reply_wait(); a failed one queued
+  // nothing) until it is not kTimeout, or until a kTimeout finds that nothing
+  // left for the worker since the previous one (ConnectionStats::tx_progress):
+  // a worker that drains its replies, however slowly (a slow link, big
+  // tensors), is waited for as before (backpressure); one that reads nothing
+  // is given up on after two tries. Stats are read only after a timeout.
+  template <class Attempt>
+  Status send_while_draining(ConnState& c, Attempt&& attempt) {
+    std::optional<std::uint64_t> progress;  // at the previous timeout
+    for (;;) {
+      Status s = attempt();
+      if (s || s.error().code() != ErrorCode::kTimeout) return s;
+      const std::uint64_t now = c.conn->stats().tx_progress;
+      if (progress == now) return s;
+      progress = now;
+    }
+  }
+  // After a reply from a thread that may wait was not sent (`e`). kTimeout
+  // (send_while_draining saw no frame leave for reply_wait): the worker reads
+  // none of its replies, and every reply to it would hold this thread, and
+  // every worker its shard serves, as long again. Its connection is closed,
+  // logged once with the peer: the worker reconnects and re-sends what it had
+  // in flight (pushes are deduplicated), so nothing the server accepted is
+  // lost. Other errors (kClosed: the worker went) are logged at debug level.
   void reply_not_sent(ConnState& c, const Error& e);
   // A shard thread never is one, and must not read `transport`: shutdown()
   // destroys it (joining the I/O threads) while the shards still drain.
@@ -433,8 +449,8 @@ void Server::Impl::make_metrics() {
                                           "Checkpoint writes that failed (logged with the cause)");
   last_checkpoint_time = &registry.gauge(
       "ember_server_last_checkpoint_timestamp_seconds",
-      "Unix time (seconds) at which the newest checkpoint this process wrote began its snapshot; "
-      "0 until it writes one");
+      "Unix time (seconds) at which the newest checkpoint began its snapshot: the one restored at "
+      "start, then each one written; 0 before any");
   workers_connected =
       &registry.gauge("ember_server_workers_connected", "Worker ranks with a live connection");
   bytes_in = &registry.counter("ember_server_bytes_received_total", "Message payload bytes received");
@@ -669,6 +685,7 @@ Status Server::Impl::restore_checkpoint() {
   }
   log->info("restored checkpoint '{}': sequence {}, {} tensor chunk(s), learning rate {}",
             loaded.path.string(), d.sequence, n, rate_in_force);
+  last_checkpoint_time->set(static_cast<double>(d.created_unix_ns) * 1e-9);
   // The checkpoint's rate resumes the run as it was (a rate set at run time
   // included); one lowered in the config after a divergence would otherwise
   // be ignored without a word.
@@ -1102,7 +1119,10 @@ void Server::Impl::send_raw_to(ConnState& c, const ReplyTo& to, std::span<const 
     return;
   }
   std::lock_guard channel_lock(*c.send_mutex[to.channel]);
-  if (Status s = c.conn->send(to.channel, bytes, reply_wait()); !s) reply_not_sent(c, s.error());
+  if (Status s = send_while_draining(c, [&] { return c.conn->send(to.channel, bytes, reply_wait()); });
+      !s) {
+    reply_not_sent(c, s.error());
+  }
   mark_dirty(c.conn, to.channel);
 }
 
@@ -1112,12 +1132,11 @@ void Server::Impl::reply_not_sent(ConnState& c, const Error& e) {
     return;
   }
   if (c.closing.exchange(true)) return;
-  log->warn("worker {} ({}) reads none of its replies: {} (waited {} ms, [communication] "
-            "heartbeat_timeout); closing its connection, so that this server's other workers are "
-            "served; the worker reconnects and re-sends what it had in flight. A worker that "
-            "pipelines more replies than max_queued_bytes holds must read them as they come",
+  log->warn("worker {} ({}) reads none of its replies: {} (nothing left for it in {} ms, twice "
+            "[communication] heartbeat_timeout); closing its connection, so that this server's "
+            "other workers are served; the worker reconnects and re-sends what it had in flight",
             c.rank, c.peer, e.message(),
-            std::chrono::duration_cast<std::chrono::milliseconds>(reply_wait()).count());
+            std::chrono::duration_cast<std::chrono::milliseconds>(2 * reply_wait()).count());
   c.close_explained.store(true);
   close_here(c, std::chrono::nanoseconds(0));
 }
@@ -1192,13 +1211,13 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
   }
   std::lock_guard channel_lock(*c->send_mutex[to.channel]);
   if (placed) {
-    s = c->conn->send(to.channel, in_place_header, reply_wait());
+    s = send_while_draining(*c, [&] { return c->conn->send(to.channel, in_place_header, reply_wait()); });
   } else if (total <= small_message_limit) {
     thread_local std::vector<std::byte> buf;
     buf.resize(total);
     proto::encode_prefix(h, {}, buf);
     if (!payload.empty()) std::memcpy(buf.data() + prefix, payload.data(), payload.size());
-    s = c->conn->send(to.channel, buf, reply_wait());
+    s = send_while_draining(*c, [&] { return c->conn->send(to.channel, buf, reply_wait()); });
   } else {
     // Header, then the data as the next message in a block of exactly its
     // size. Over tcp a lent payload goes out from the parameter store (the
@@ -1209,19 +1228,23 @@ void Server::Impl::send_message(const ReplyTo& to, const proto::Header& h,
     head.flags |= proto::kFlagPayloadFollows;
     std::array<std::byte, proto::kHeaderBytes> hb;
     proto::encode_prefix(head, {}, hb);
-    transport::Buffer b;
-    if (lease && transport_kind == transport::Kind::kTcp) {
-      // The transport only reads a Buffer it sends.
-      std::span<std::byte> bytes{const_cast<std::byte*>(payload.data()), payload.size()};
-      b = transport::Buffer::adopt(bytes, {}, std::move(lease));
-      replies_lent->inc();
-    } else {
-      b = proto::allocate_buffer(*pool, payload.size(), region_id.load(std::memory_order_acquire));
+    const bool lend = lease && transport_kind == transport::Kind::kTcp;
+    if (lend) replies_lent->inc();
+    // Made again for each try: a send that fails releases its Buffer.
+    auto data = [&] {
+      if (lend) {
+        // The transport only reads a Buffer it sends.
+        std::span<std::byte> bytes{const_cast<std::byte*>(payload.data()), payload.size()};
+        return transport::Buffer::adopt(bytes, {}, lease);
+      }
+      transport::Buffer b =
+          proto::allocate_buffer(*pool, payload.size(), region_id.load(std::memory_order_acquire));
       std::memcpy(b.data(), payload.data(), payload.size());
-    }
-    s = c->conn->send(to.channel, hb, reply_wait());
+      return b;
+    };
+    s = send_while_draining(*c, [&] { return c->conn->send(to.channel, hb, reply_wait()); });
     if (s) {
-      s = c->conn->send(to.channel, std::move(b), {}, reply_wait());
+      s = send_while_draining(*c, [&] { return c->conn->send(to.channel, data(), {}, reply_wait()); });
       // The header went out without its payload: the channel is out of step.
       if (!s && s.error().code() != ErrorCode::kTimeout) close_here(*c);
     }
@@ -1778,13 +1801,12 @@ Status check_checkpoint_dir(const config::Config& config) {
   if (Status st = probe_writable(at); !st) {
     return refuse(st.error().message() + st.error().cause());
   }
-  if (at == target) {
-    // A live server of this index holding it would refuse the start: taken
-    // and given back at once (the message names its pid and what to do).
-    auto lock = lock_checkpoint_dir(target, config.server.server_index);
-    if (!lock && lock.error().code() == ErrorCode::kUnavailable) return tl::unexpected(lock.error());
-  }
   return ok_status();
+}
+
+Status checkpoint_dir_free(const config::Config& config) {
+  if (config.server.checkpoint_dir.empty()) return ok_status();
+  return check_checkpoint_dir_free(config.server.checkpoint_dir, config.server.server_index);
 }
 
 Status check_record_path(const config::Config& config) {

@@ -128,12 +128,16 @@ std::array<double, 7> optimizer_numbers(const config::OptimizerConfig& o);
 // set), without creating it: an existing path must be a directory this
 // process can create files in; a missing one needs its nearest existing
 // parent to be such a directory (the start creates it). Tries by creating
-// and removing a probe file ".ember-write-probe-<pid>". An existing
-// directory's lock for this server_index (lock_checkpoint_dir) is taken and
-// given back at once, creating its lock file when missing. Errors: kConfig
-// naming the key, the path and why (errno text); kUnavailable when another
-// live ember-server of this server_index holds the directory (its pid named).
+// and removing a probe file ".ember-write-probe-<pid>".
+// Errors: kConfig naming the key, the path and why (errno text).
 Status check_checkpoint_dir(const config::Config& config);
+
+// What `ember-server --check-config` notes, without failing, of an existing
+// server.checkpoint_dir: whether a live server of this server_index holds it
+// (check_checkpoint_dir_free; creates and writes nothing). A start would be
+// refused until it stops, which is expected when checking the config of a
+// running server before restarting it. Errors: kUnavailable naming the pid.
+Status checkpoint_dir_free(const config::Config& config);
 
 // What `ember-server --check-config` checks of communication.record_path
 // when record_pattern is on: the recording "<record_path>.server<i>" needs

@@ -50,6 +50,7 @@ ConnectionStats ConnectionCore::stats() const noexcept {
   s.read_syscalls = read_syscalls.load(std::memory_order_relaxed);
   s.heartbeats_sent = heartbeats_sent.load(std::memory_order_relaxed);
   s.heartbeats_received = heartbeats_received.load(std::memory_order_relaxed);
+  s.tx_progress = tx_progress.load(std::memory_order_relaxed);
   s.queued_bytes = flow_.queued_bytes();
   s.queued_bytes_high_water = flow_.high_water_bytes();
   return s;

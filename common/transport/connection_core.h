@@ -107,7 +107,7 @@ class ConnectionCore : public Connection {
   // Counters (relaxed; see ConnectionStats). Incremented by the data path.
   std::atomic<std::uint64_t> messages_sent{0}, messages_received{0}, bytes_sent{0},
       bytes_received{0}, frames_sent{0}, frames_received{0}, write_syscalls{0}, read_syscalls{0},
-      heartbeats_sent{0}, heartbeats_received{0};
+      heartbeats_sent{0}, heartbeats_received{0}, tx_progress{0};
 
  protected:
   // How long the close answering a peer's goodbye may drain.

@@ -232,6 +232,11 @@ struct ConnectionStats {
   std::uint64_t heartbeats_received = 0;
   std::uint64_t queued_bytes = 0;      // current value of the flow-control counter
   std::uint64_t queued_bytes_high_water = 0;
+  // Advances whenever data leaves for the peer, even part of a frame (tcp:
+  // bytes written to the socket; shm: ring slots published, which needs the
+  // peer to have freed them; rdma: frames completed). Only its changes mean
+  // anything: unchanged over a wait, the peer took nothing.
+  std::uint64_t tx_progress = 0;
 };
 
 class Connection;

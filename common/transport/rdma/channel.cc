@@ -932,6 +932,7 @@ void Channel::complete_send(const ibv_wc& wc, bool ok, Deferred& d) {
     conn_->messages_sent.fetch_add(f.messages, std::memory_order_relaxed);
     conn_->bytes_sent.fetch_add(f.flow_bytes, std::memory_order_relaxed);
     conn_->frames_sent.fetch_add(1, std::memory_order_relaxed);
+    conn_->tx_progress.fetch_add(1, std::memory_order_relaxed);
   }
   if (f.payload || f.done) {
     (ok ? d.finished : d.failed).push_back(Finished{std::move(f.payload), std::move(f.done)});

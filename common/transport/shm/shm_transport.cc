@@ -1354,6 +1354,7 @@ void Channel::open_batch_locked() {
 void Channel::publish_slot_locked() {
   // Pairs with the consumer's acquire load of head.
   tx_->control().head.value.store(++next_head_, std::memory_order_release);
+  conn_->tx_progress.fetch_add(1, std::memory_order_relaxed);
   notify_consumer(tx_->control(), peer_doorbell_fd_, &conn_->write_syscalls);
 }
 

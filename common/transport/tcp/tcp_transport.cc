@@ -784,6 +784,7 @@ void Channel::write_loop() {
       break;
     }
     last_tx_ns_.store(now_ns(), std::memory_order_relaxed);
+    conn_->tx_progress.fetch_add(static_cast<std::uint64_t>(n), std::memory_order_relaxed);
     written_here += static_cast<std::size_t>(n);
     // Advance over what was written; retire finished entries.
     std::size_t left = static_cast<std::size_t>(n);

@@ -864,8 +864,9 @@ TEST(BadRequestsInPlace, UnusablePlacementGetsTheDataInstead) {
 // A worker that sends requests but reads none of the replies: its send queue
 // fills (max_queued_bytes), and a shard thread waiting for room served nobody
 // else; the server waited 30 s per reply, for every reply, while the peer kept
-// the connection alive (helper-82). Now the wait is heartbeat_timeout (2 s
-// here), after which the connection is closed, logged once with the peer.
+// the connection alive (helper-82). Now, once no reply has left for twice
+// heartbeat_timeout (2 s here), the connection is closed, logged once with the
+// peer.
 TEST(SlowReceiver, AWorkerThatReadsNoRepliesIsClosedAndTheOthersAreServed) {
   TempDir dir;
   ClusterSpec spec;
@@ -939,8 +940,77 @@ TEST(SlowReceiver, AWorkerThatReadsNoRepliesIsClosedAndTheOthersAreServed) {
   const std::string log = server.log();
   const auto at = log.find("reads none of its replies");
   EXPECT_NE(at, std::string::npos) << log;
-  EXPECT_NE(log.find("heartbeat_timeout); closing its connection"), std::string::npos) << log;
+  EXPECT_NE(log.find("twice [communication] heartbeat_timeout); closing its connection"),
+            std::string::npos)
+      << log;
   EXPECT_EQ(log.find("reads none of its replies", at + 1), std::string::npos) << "logged twice:\n" << log;
+}
+
+// The other side of it: a worker that reads its replies, but slowly (a slow
+// link, big tensors), keeps its connection however long the server waits for
+// room: bytes leave its queue, so it is backpressure, not a dead reader. Here
+// 3.6 MB pull replies, each needing most of the 4 MiB queue free, go to a peer
+// that reads about 1 MB/s for over twice heartbeat_timeout. (On loopback the
+// kernel's socket buffers take much of each reply, so a single try of
+// heartbeat_timeout passes this too: the progress rule is for links slower
+// than that buffering; helper-84.)
+TEST(SlowReceiver, AWorkerThatDrainsSlowlyIsWaitedFor) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.num_workers = 2;
+  spec.consistency = "asp";
+  ServerProcess server(dir, spec, 0,
+                       {"--set", "communication.max_message_size=4MB", "--set",
+                        "communication.max_queued_bytes=4MB"});
+  ASSERT_TRUE(server.ok());
+  constexpr std::uint64_t kFloats = 900'000;
+  {
+    auto w = Worker::create(worker_config(spec, {server.address()}, 0));
+    ASSERT_TRUE(w) << w.error().to_string();
+    const std::uint64_t shape[] = {kFloats};
+    ASSERT_TRUE((*w)->init(7, shape, std::vector<float>(kFloats, 0.5f)).wait());
+  }
+  transport::testing::RawTcpPeer peer;
+  // Little kept in the kernel on the way: the queue drains at the read rate.
+  ASSERT_TRUE(peer.connect(server.address(), 16 * 1024));
+  transport::handshake::Hello hello;
+  hello.rank = 1;
+  hello.session_id = 0x5108;
+  auto reply = peer.handshake(hello);
+  ASSERT_TRUE(reply && reply->status == ErrorCode::kOk);
+  std::uint64_t id = 0;
+  auto frame_of = [&](std::uint64_t key, std::uint64_t n) {
+    Header h = keyed(MsgType::kPull, key, n);
+    h.worker_rank = 1;
+    h.request_id = ++id;
+    const auto message = proto::encode_message(h, {}, {});
+    std::array<std::byte, wire::kSinglePrefixBytes> prefix;
+    auto f = wire::encode_single(prefix, message);
+    EXPECT_TRUE(f);
+    std::vector<std::byte> out(f->prefix.begin(), f->prefix.end());
+    out.insert(out.end(), message.begin(), message.end());
+    out.insert(out.end(), f->padding.begin(), f->padding.end());
+    return out;
+  };
+  constexpr int kPulls = 2;
+  for (int i = 0; i < kPulls; ++i) ASSERT_TRUE(peer.send(frame_of(7, kFloats)));
+  // 2 KiB every 2 ms (about 1 MB/s), and a small request every 100 ms so
+  // that the server hears from the peer within its heartbeat_timeout.
+  std::vector<std::byte> sink(2 * 1024);
+  std::size_t got = 0;
+  bool closed = false;
+  const std::size_t want = kPulls * kFloats * sizeof(float);
+  const auto until = std::chrono::steady_clock::now() + 30s;
+  for (int tick = 0; !closed && got < want && std::chrono::steady_clock::now() < until; ++tick) {
+    std::this_thread::sleep_for(2ms);
+    if (tick % 50 == 0 && !peer.send(frame_of(999, 1))) closed = true;
+    const ssize_t n = ::recv(peer.fd(), sink.data(), sink.size(), MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) closed = true;
+    if (n > 0) got += static_cast<std::size_t>(n);
+  }
+  EXPECT_FALSE(closed) << "the server closed a worker that was reading (" << got << " bytes read)";
+  EXPECT_GE(got, want);
+  EXPECT_EQ(server.log().find("reads none of its replies"), std::string::npos) << server.log();
 }
 
 TEST(BadRequestsBsp, PushForAClosedRoundIsStale) {

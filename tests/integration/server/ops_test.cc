@@ -359,6 +359,16 @@ TEST(ServerMetrics, CheckpointTimeAndFailuresAreExported) {
   EXPECT_EQ(scrape_until(server.metrics_address(), failures, 1, &metrics), 1.0);
   EXPECT_EQ(metrics.value(stamp), at);
   EXPECT_EQ(metrics.value("ember_server_checkpoints_written_total"), 1.0);
+
+  // A server that restores that checkpoint starts from its time, not 0.
+  w->reset();
+  server.process().signal(SIGKILL);
+  ASSERT_TRUE(server.process().wait_exit());
+  fs::remove(dir / "ckpt");
+  fs::rename(dir / "ckpt.moved", dir / "ckpt");
+  ServerProcess restarted(dir, spec, 0);
+  ASSERT_TRUE(restarted.ok());
+  EXPECT_EQ(scrape_until(restarted.metrics_address(), stamp, *at, &metrics), *at);
 }
 
 }  // namespace

@@ -22,12 +22,17 @@ class RawTcpPeer {
   ~RawTcpPeer() {
     if (fd_ >= 0) ::close(fd_);
   }
-  Status connect(const std::string& address) {
+  // `receive_buffer` > 0: SO_RCVBUF, set before connecting (it sets the
+  // window the connection starts with).
+  Status connect(const std::string& address, int receive_buffer = 0) {
     EMBER_ASSIGN_OR_RETURN(auto ep, tcp::resolve_endpoint(address));
     fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd_ < 0) return make_sys_error(errno, "socket");
     int one = 1;
     ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (receive_buffer > 0) {
+      ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
+    }
     if (::connect(fd_, static_cast<const sockaddr*>(ep.data()), static_cast<socklen_t>(ep.size())) != 0) {
       return make_sys_error(errno, "connect");
     }
