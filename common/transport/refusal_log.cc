@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 namespace ember::transport {
@@ -21,6 +22,14 @@ struct RefusalLog::Counts {
   std::size_t logged = 0;      // lines logged in the window
   std::uint64_t unlogged = 0;  // refusals counted instead; the timer runs while > 0
 };
+
+Error handshake_dropped_for_room() {
+  return Error(ErrorCode::kUnavailable,
+               fmt::format("dropped to make room for a new connection: {} handshakes were in "
+                           "progress, the most a listener holds (a peer that connects and sends no "
+                           "hello holds one for connect_timeout)",
+                           kMaxPendingHandshakes));
+}
 
 RefusalLog::RefusalLog(std::shared_ptr<spdlog::logger> log, std::string what,
                        std::chrono::nanoseconds window)

@@ -31,6 +31,8 @@
 #include <boost/asio/steady_timer.hpp>
 #include <spdlog/common.h>
 
+#include "common/base/error.h"
+
 namespace spdlog {
 class logger;
 }
@@ -39,6 +41,9 @@ namespace ember::transport {
 
 // Handshakes a listener holds in progress at most (see above).
 inline constexpr std::size_t kMaxPendingHandshakes = 256;
+
+// The reason given for the oldest handshake dropped to make room (kUnavailable).
+Error handshake_dropped_for_room();
 
 class RefusalLog {
  public:

@@ -2026,13 +2026,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
 
   void begin(int fd) {
     if (pending_.size() >= kMaxPendingHandshakes) {
-      refuse(pending_.front(),
-             Error(ErrorCode::kUnavailable,
-                   fmt::format("dropped to make room for a new connection: {} handshakes were in "
-                               "progress, the most a listener holds (a peer that connects and "
-                               "sends no hello holds one for connect_timeout)",
-                               kMaxPendingHandshakes)),
-             false);
+      refuse(pending_.front(), handshake_dropped_for_room(), false);
     }
     auto p = std::make_shared<Pending>();
     p->sock = std::make_unique<Descriptor>(ctx_, fd);

@@ -1193,13 +1193,7 @@ class ListenerCore : public std::enable_shared_from_this<ListenerCore> {
     socket.non_blocking(true, ec);
     (void)set_socket_options(socket.native_handle());
     if (pending_.size() >= kMaxPendingHandshakes) {
-      refuse(pending_.front(),
-             Error(ErrorCode::kUnavailable,
-                   fmt::format("dropped to make room for a new connection: {} handshakes were in "
-                               "progress, the most a listener holds (a peer that connects and "
-                               "sends no hello holds one for connect_timeout)",
-                               kMaxPendingHandshakes)),
-             false);
+      refuse(pending_.front(), handshake_dropped_for_room(), false);
     }
     auto p = std::make_shared<Pending>();
     p->socket = std::make_unique<tcp::socket>(std::move(socket));

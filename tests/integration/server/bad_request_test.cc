@@ -861,42 +861,26 @@ TEST(BadRequestsInPlace, UnusablePlacementGetsTheDataInstead) {
   }
 }
 
-// A worker that sends requests but reads none of the replies: its send queue
-// fills (max_queued_bytes), and a shard thread waiting for room served nobody
-// else; the server waited 30 s per reply, for every reply, while the peer kept
-// the connection alive (helper-82). Now, once no reply has left for twice
-// heartbeat_timeout (2 s here), the connection is closed, logged once with the
-// peer.
-TEST(SlowReceiver, AWorkerThatReadsNoRepliesIsClosedAndTheOthersAreServed) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.consistency = "asp";
-  ServerProcess server(dir, spec, 0,
-                       {"--set", "communication.max_message_size=4MB", "--set",
-                        "communication.max_queued_bytes=4MB"});
-  ASSERT_TRUE(server.ok());
-  auto good = Worker::create(worker_config(spec, {server.address()}, 0));
-  ASSERT_TRUE(good) << good.error().to_string();
-  const std::uint64_t shape[] = {4};
-  ASSERT_TRUE((*good)->init(1, shape, std::vector<float>{1, 2, 3, 4}).wait());
-
+// A raw worker of rank 1 for the SlowReceiver tests: connected (with
+// `receive_buffer` as SO_RCVBUF when > 0) and past the handshake; frames of
+// pulls it sends are made by pull_frame.
+struct RawPullPeer {
   transport::testing::RawTcpPeer peer;
-  ASSERT_TRUE(peer.connect(server.address()));
-  const int small = 4096;
-  ::setsockopt(peer.fd(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
-  transport::handshake::Hello hello;
-  hello.rank = 1;
-  hello.session_id = 0x5107;
-  auto reply = peer.handshake(hello);
-  ASSERT_TRUE(reply && reply->status == ErrorCode::kOk);
-  // One frame per pull of an unknown key; each is answered with an error
-  // reply of a few hundred bytes, so 60,000 of them are far more than the
-  // socket buffers and the 4 MiB queue hold.
-  auto frame_of = [](std::uint64_t request_id) {
-    Header h = keyed(MsgType::kPull, 999, 4);
+  std::uint64_t next_id = 0;
+  Status connect(const std::string& address, int receive_buffer) {
+    EMBER_TRY(peer.connect(address, receive_buffer));
+    transport::handshake::Hello hello;
+    hello.rank = 1;
+    hello.session_id = 0x5107;
+    EMBER_ASSIGN_OR_RETURN(auto reply, peer.handshake(hello));
+    if (reply.status != ErrorCode::kOk) return make_error(reply.status, "{}", reply.text);
+    return ok_status();
+  }
+  // One single frame holding a pull of `n` floats of `key`.
+  std::vector<std::byte> pull_frame(std::uint64_t key, std::uint64_t n) {
+    Header h = keyed(MsgType::kPull, key, n);
     h.worker_rank = 1;
-    h.request_id = request_id;
+    h.request_id = ++next_id;
     const auto message = proto::encode_message(h, {}, {});
     std::array<std::byte, wire::kSinglePrefixBytes> prefix;
     auto f = wire::encode_single(prefix, message);
@@ -905,19 +889,54 @@ TEST(SlowReceiver, AWorkerThatReadsNoRepliesIsClosedAndTheOthersAreServed) {
     out.insert(out.end(), message.begin(), message.end());
     out.insert(out.end(), f->padding.begin(), f->padding.end());
     return out;
-  };
+  }
+};
+
+// A server for 2 workers, asp, with a 4 MiB queue per connection.
+class SlowReceiver : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spec.num_workers = 2;
+    spec.consistency = "asp";
+    server = std::make_unique<ServerProcess>(
+        dir, spec, 0,
+        std::vector<std::string>{"--set", "communication.max_message_size=4MB", "--set",
+                                 "communication.max_queued_bytes=4MB"});
+    ASSERT_TRUE(server->ok());
+  }
+  TempDir dir;
+  ClusterSpec spec;
+  std::unique_ptr<ServerProcess> server;
+};
+
+// A worker that sends requests but reads none of the replies: its send queue
+// fills (max_queued_bytes), and a shard thread waiting for room served nobody
+// else; the server waited 30 s per reply, for every reply, while the peer kept
+// the connection alive (helper-82). Now, once no reply has left for twice
+// heartbeat_timeout (2 s here), the connection is closed, logged once with the
+// peer.
+TEST_F(SlowReceiver, AWorkerThatReadsNoRepliesIsClosedAndTheOthersAreServed) {
+  auto good = Worker::create(worker_config(spec, {server->address()}, 0));
+  ASSERT_TRUE(good) << good.error().to_string();
+  const std::uint64_t shape[] = {4};
+  ASSERT_TRUE((*good)->init(1, shape, std::vector<float>{1, 2, 3, 4}).wait());
+
+  // A small receive buffer; each pull of an unknown key is answered with an
+  // error reply of a few hundred bytes, so 60,000 of them are far more than
+  // the socket buffers and the 4 MiB queue hold.
+  RawPullPeer raw;
+  ASSERT_TRUE(raw.connect(server->address(), 4096));
   std::vector<std::byte> flood;
-  std::uint64_t id = 0;
   for (int i = 0; i < 60000; ++i) {
-    const auto f = frame_of(++id);
+    const auto f = raw.pull_frame(999, 4);
     flood.insert(flood.end(), f.begin(), f.end());
   }
-  ASSERT_TRUE(peer.send(flood));
+  ASSERT_TRUE(raw.peer.send(flood));
   // The peer stays alive (a request every 200 ms, so heartbeat_timeout never
   // declares it silent) until the server closes it.
   std::atomic<bool> stop{false};
   std::thread trickle([&] {
-    while (!stop.load() && peer.send(frame_of(++id))) std::this_thread::sleep_for(200ms);
+    while (!stop.load() && raw.peer.send(raw.pull_frame(999, 4))) std::this_thread::sleep_for(200ms);
   });
   struct Join {
     std::atomic<bool>& stop;
@@ -937,7 +956,7 @@ TEST(SlowReceiver, AWorkerThatReadsNoRepliesIsClosedAndTheOthersAreServed) {
     ASSERT_TRUE(r) << r.error().to_string();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - began, 15s);
-  const std::string log = server.log();
+  const std::string log = server->log();
   const auto at = log.find("reads none of its replies");
   EXPECT_NE(at, std::string::npos) << log;
   EXPECT_NE(log.find("twice [communication] heartbeat_timeout); closing its connection"),
@@ -954,46 +973,20 @@ TEST(SlowReceiver, AWorkerThatReadsNoRepliesIsClosedAndTheOthersAreServed) {
 // kernel's socket buffers take much of each reply, so a single try of
 // heartbeat_timeout passes this too: the progress rule is for links slower
 // than that buffering; helper-84.)
-TEST(SlowReceiver, AWorkerThatDrainsSlowlyIsWaitedFor) {
-  TempDir dir;
-  ClusterSpec spec;
-  spec.num_workers = 2;
-  spec.consistency = "asp";
-  ServerProcess server(dir, spec, 0,
-                       {"--set", "communication.max_message_size=4MB", "--set",
-                        "communication.max_queued_bytes=4MB"});
-  ASSERT_TRUE(server.ok());
+TEST_F(SlowReceiver, AWorkerThatDrainsSlowlyIsWaitedFor) {
   constexpr std::uint64_t kFloats = 900'000;
   {
-    auto w = Worker::create(worker_config(spec, {server.address()}, 0));
+    auto w = Worker::create(worker_config(spec, {server->address()}, 0));
     ASSERT_TRUE(w) << w.error().to_string();
     const std::uint64_t shape[] = {kFloats};
     ASSERT_TRUE((*w)->init(7, shape, std::vector<float>(kFloats, 0.5f)).wait());
   }
-  transport::testing::RawTcpPeer peer;
   // Little kept in the kernel on the way: the queue drains at the read rate.
-  ASSERT_TRUE(peer.connect(server.address(), 16 * 1024));
-  transport::handshake::Hello hello;
-  hello.rank = 1;
-  hello.session_id = 0x5108;
-  auto reply = peer.handshake(hello);
-  ASSERT_TRUE(reply && reply->status == ErrorCode::kOk);
-  std::uint64_t id = 0;
-  auto frame_of = [&](std::uint64_t key, std::uint64_t n) {
-    Header h = keyed(MsgType::kPull, key, n);
-    h.worker_rank = 1;
-    h.request_id = ++id;
-    const auto message = proto::encode_message(h, {}, {});
-    std::array<std::byte, wire::kSinglePrefixBytes> prefix;
-    auto f = wire::encode_single(prefix, message);
-    EXPECT_TRUE(f);
-    std::vector<std::byte> out(f->prefix.begin(), f->prefix.end());
-    out.insert(out.end(), message.begin(), message.end());
-    out.insert(out.end(), f->padding.begin(), f->padding.end());
-    return out;
-  };
+  RawPullPeer raw;
+  ASSERT_TRUE(raw.connect(server->address(), 16 * 1024));
+  auto& peer = raw.peer;
   constexpr int kPulls = 2;
-  for (int i = 0; i < kPulls; ++i) ASSERT_TRUE(peer.send(frame_of(7, kFloats)));
+  for (int i = 0; i < kPulls; ++i) ASSERT_TRUE(peer.send(raw.pull_frame(7, kFloats)));
   // 2 KiB every 2 ms (about 1 MB/s), and a small request every 100 ms so
   // that the server hears from the peer within its heartbeat_timeout.
   std::vector<std::byte> sink(2 * 1024);
@@ -1003,14 +996,14 @@ TEST(SlowReceiver, AWorkerThatDrainsSlowlyIsWaitedFor) {
   const auto until = std::chrono::steady_clock::now() + 30s;
   for (int tick = 0; !closed && got < want && std::chrono::steady_clock::now() < until; ++tick) {
     std::this_thread::sleep_for(2ms);
-    if (tick % 50 == 0 && !peer.send(frame_of(999, 1))) closed = true;
+    if (tick % 50 == 0 && !peer.send(raw.pull_frame(999, 1))) closed = true;
     const ssize_t n = ::recv(peer.fd(), sink.data(), sink.size(), MSG_DONTWAIT);
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) closed = true;
     if (n > 0) got += static_cast<std::size_t>(n);
   }
   EXPECT_FALSE(closed) << "the server closed a worker that was reading (" << got << " bytes read)";
   EXPECT_GE(got, want);
-  EXPECT_EQ(server.log().find("reads none of its replies"), std::string::npos) << server.log();
+  EXPECT_EQ(server->log().find("reads none of its replies"), std::string::npos) << server->log();
 }
 
 TEST(BadRequestsBsp, PushForAClosedRoundIsStale) {
