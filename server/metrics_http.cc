@@ -46,10 +46,10 @@ constexpr std::uint64_t kMaxRequestBodyBytes = 4 * 1024;
 // regard to case and may be followed by several spaces (RFC 7235 section 2.1).
 std::optional<std::string_view> bearer_token(std::string_view header) {
   constexpr std::string_view kScheme = "bearer";
-  if (header.size() <= kScheme.size() || header[kScheme.size()] != ' ') return std::nullopt;
-  for (std::size_t i = 0; i < kScheme.size(); ++i) {
-    const char c = header[i];
-    if ((c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c) != kScheme[i]) return std::nullopt;
+  if (header.size() <= kScheme.size() || header[kScheme.size()] != ' ' ||
+      !beast::iequals(beast::string_view(header.data(), kScheme.size()),
+                      beast::string_view(kScheme.data(), kScheme.size()))) {
+    return std::nullopt;
   }
   header.remove_prefix(kScheme.size());
   while (!header.empty() && header.front() == ' ') header.remove_prefix(1);
